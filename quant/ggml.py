@@ -1,0 +1,97 @@
+"""GGML block formats → lowbit layouts.
+
+Q4_0, Q4_1 and Q8_0 are lowbit layouts already, up to the order of codes in a block, so they move
+in losslessly: same codes, same fp16 scales (checked bit-exactly against gguf.quants.dequantize).
+
+    Q4_0  block 32, 18 bytes: d fp16, qs[16]     w[j] = d * ((qs[j] & 15) - 8), w[j+16] = d * ((qs[j] >> 4) - 8)
+    Q4_1  block 32, 20 bytes: d, m fp16, qs[16]  w[j] = d * (qs[j] & 15) + m,   w[j+16] = d * (qs[j] >> 4) + m
+    Q8_0  block 32, 34 bytes: d fp16, qs[32] i8  w[j] = d * qs[j]
+
+K-quants and 5-bit types have no lossless lowbit home; they are dequantized with the `gguf`
+package's reference and requantized: 4-bit-ish types (Q4_K) into int4-g32, 5- and 6-bit types
+into int8-g32, so `auto` never throws away more than the file already did by dropping to 4 bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from lowbit.quant import Weight, quantize_weight
+from lowbit.quant.dense import FloatWeight
+from lowbit.quant.int4 import Int4Weight, pack_nibbles
+from lowbit.quant.int8 import Int8Weight
+from lowbit.quant.spec import WeightSpec, parse_weights
+
+LOSSLESS = {T.Q4_0: parse_weights("int4-sym-g32"), T.Q4_1: parse_weights("int4-g32"), T.Q8_0: parse_weights("int8-g32")}
+REQUANTIZED = {T.Q4_K: parse_weights("int4-g32"), T.Q5_0: parse_weights("int8-g32"), T.Q5_1: parse_weights("int8-g32"),
+               T.Q5_K: parse_weights("int8-g32"), T.Q6_K: parse_weights("int8-g32")}
+FLOATS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+SUPPORTED = (*LOSSLESS, *REQUANTIZED, *FLOATS)
+
+
+class UnsupportedType(ValueError):
+    pass
+
+
+def native_spec(qtype: T) -> WeightSpec | None:
+    """The layout `auto` gives a tensor of this type (None: keep it as a float tensor)."""
+    if qtype in LOSSLESS:
+        return LOSSLESS[qtype]
+    if qtype in REQUANTIZED:
+        return REQUANTIZED[qtype]
+    if qtype in FLOATS:
+        return None
+    raise UnsupportedType(f"tensor type {qtype.name} is not supported (supported: {', '.join(t.name for t in SUPPORTED)})")
+
+
+def to_float_tensor(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> torch.Tensor:
+    """Any supported type → fp32 tensor of `shape` (torch order, outermost first). `raw` may be the
+    tensor's bytes (uint8) or an already typed array."""
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if qtype in FLOATS:
+        words = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.int16}[qtype]
+        t = torch.from_numpy(b.view(words).copy())  # copy: the file is mapped read-only
+        if qtype == T.BF16:  # numpy has no bf16: reinterpret the 16-bit words
+            t = t.view(torch.bfloat16)
+        return t.float().reshape(shape)
+    native_spec(qtype)  # raises for unsupported types
+    return torch.from_numpy(quants.dequantize(b, qtype).astype(np.float32, copy=False)).reshape(shape)
+
+
+def _blocks(raw: np.ndarray, N: int, K: int, block_bytes: int) -> torch.Tensor:
+    """uint8 [N, K/32, block_bytes] copy of a block-quantized matrix (the file is mapped read-only)."""
+    return torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True).reshape(N, K // 32, block_bytes))
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2] little-endian → fp16 [...]."""
+    return b.contiguous().view(torch.float16).squeeze(-1)
+
+
+def relayout(raw: np.ndarray, qtype: T, N: int, K: int) -> Weight:
+    """Q4_0 / Q4_1 / Q8_0 bytes of an [N, K] matrix → the lowbit layout with identical values."""
+    spec = LOSSLESS[qtype]
+    if qtype == T.Q8_0:
+        b = _blocks(raw, N, K, 34)  # [N, G, 34]
+        q = b[..., 2:].contiguous().view(torch.int8).reshape(N, K)
+        return Int8Weight(spec, K, q.contiguous(), _f16(b[..., 0:2]).contiguous())
+    nb = 18 if qtype == T.Q4_0 else 20
+    b = _blocks(raw, N, K, nb)  # [N, G, nb]
+    qs = b[..., nb - 16:]  # [N, G, 16]: element j in the low nibble, element j + 16 in the high one
+    codes = torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(N, K)  # [N, K] in element order
+    mins = _f16(b[..., 2:4]).contiguous() if qtype == T.Q4_1 else None
+    return Int4Weight(spec, K, pack_nibbles(codes), _f16(b[..., 0:2]).contiguous(), mins)
+
+
+def load_matrix(raw: np.ndarray, qtype: T, N: int, K: int, target: WeightSpec | None) -> Weight:
+    """One GGUF matrix into a lowbit layout. target None = `auto` (lossless where possible)."""
+    want = native_spec(qtype) if target is None else target
+    if want is None:  # float tensor under auto: keep its own precision
+        return FloatWeight(WeightSpec(bits=16 if qtype != T.F32 else 32, float_dtype=str(FLOATS[qtype]).split(".")[1]),
+                           to_float_tensor(raw, qtype, (N, K)).to(FLOATS[qtype]))
+    if qtype in LOSSLESS and LOSSLESS[qtype] == want and K % 32 == 0:
+        return relayout(raw, qtype, N, K)
+    return quantize_weight(to_float_tensor(raw, qtype, (N, K)), want)

@@ -1,0 +1,173 @@
+"""The `lowbit` command: run, pull, models, info.
+
+Every user-facing failure is a LowbitError (or a bad flag value) and ends as one line on stderr
+with exit status 1 — never a traceback (set LOWBIT_DEBUG=1 to see one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from lowbit.runtime.errors import LowbitError
+from lowbit.runtime.registry import DEFAULT_MODEL
+
+WEIGHTS_HELP = ("weight layout: auto (GGUF: keep Q4_0/Q4_1/Q8_0 losslessly, requantize K-quants; "
+                "safetensors: int4-g32), int4-g32, int4-g64, int4-g128, int4-sym-g32/64/128, int8, "
+                "int8-g32/64/128, bf16, f16, f32")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=f"alias, path to a .gguf, or a Hugging Face model directory (default: {DEFAULT_MODEL})")
+    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lowbit", description="Quantization-first local LLM runtime.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="answer one prompt, streaming the reply to stdout",
+                         description="Render the prompt with the model's chat template, stream the reply "
+                                     "to stdout, then print one stats line on stderr.")
+    run.add_argument("prompt", nargs="?", help="the user message (read from stdin when omitted)")
+    _add_model_args(run)
+    run.add_argument("--system", default=None, help="system prompt")
+    run.add_argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate (default 256)")
+    run.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    run.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    run.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default)")
+    run.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    run.add_argument("--fast-greedy", action="store_true",
+                     help="with --temperature 0, skip the exact verification of greedy tokens (faster; bf16 "
+                          "rounding may then pick the other token of a near-tie)")
+
+    pull = sub.add_parser("pull", help="download a model into the model cache",
+                          description="Fetch a model by alias and verify its sha256. The cache is "
+                                      "$LOWBIT_MODELS or the user cache directory.")
+    pull.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"alias (default: {DEFAULT_MODEL})")
+
+    sub.add_parser("models", help="list cached models with format and size",
+                   description="List the models in the model cache ($LOWBIT_MODELS or the user cache dir).")
+
+    info = sub.add_parser("info", help="show a model's config, layouts and memory",
+                          description="Load a model and print its architecture, weight layouts and bytes held.")
+    info.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="alias, .gguf path or HF directory")
+    info.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
+    return ap
+
+
+def cmd_run(args) -> int:
+    from lowbit.runtime.generate import generate
+    from lowbit.runtime.loader import load
+    from lowbit.runtime.sampler import Sampler, SamplingParams
+
+    prompt = args.prompt if args.prompt is not None else ("" if sys.stdin.isatty() else sys.stdin.read())
+    if not prompt.strip():
+        raise LowbitError("empty prompt: pass it as an argument or on stdin")
+    if args.max_tokens < 1:
+        raise LowbitError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    except ValueError as e:
+        raise LowbitError(str(e)) from None
+    lm = load(args.model, args.weights)
+    tok = lm.tokenizer
+    if args.raw:
+        ids = tok.encode(prompt, add_special=True)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": prompt}]
+        try:
+            ids = tok.encode_chat(messages, add_generation_prompt=True)
+        except ValueError as e:
+            raise LowbitError(str(e)) from None
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        res = generate(lm.model, tok, ids, args.max_tokens, Sampler(params), on_text=write,
+                       verify_greedy=not args.fast_greedy)
+    except ValueError as e:
+        raise LowbitError(str(e)) from None
+    if not res.text.endswith("\n"):
+        write("\n")
+    print(f"[{lm.path.name} {lm.weights}] prompt {res.prompt_tokens} tokens, TTFT {res.ttft_s * 1000:.0f} ms, "
+          f"{len(res.token_ids)} tokens at {res.decode_tok_s:.1f} tok/s decode, finish: {res.finish_reason}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from lowbit.runtime.registry import pull
+
+    path = pull(args.model, progress=lambda s: print(f"lowbit: {s}", file=sys.stderr))
+    print(path)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from lowbit.runtime.registry import list_models, models_dir
+
+    rows = list_models()
+    if not rows:
+        print(f"no models in {models_dir()} (run: lowbit pull)", file=sys.stderr)
+        return 0
+    print(f"{'NAME':<24} {'FORMAT':<12} {'SIZE':>10}  PATH")
+    for m in rows:
+        print(f"{m.name:<24} {m.format:<12} {m.size / 1e6:>8.1f}MB  {m.path}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from lowbit.runtime.loader import load
+
+    lm = load(args.model, args.weights)
+    c = lm.config
+    layouts = sorted({m.spec_name for m in lm.model.modules() if hasattr(m, "spec_name")})
+    print(f"path: {lm.path}\nformat: {lm.source}\narchitecture: {c.arch}\n"
+          f"layers {c.n_layers}, dim {c.dim}, heads {c.n_heads}/{c.n_kv_heads} (q/kv), head_dim {c.head_dim}, "
+          f"hidden {c.hidden_dim}, vocab {c.vocab_size}, context {c.max_seq_len}, tied embeddings {c.tie_embeddings}\n"
+          f"weights: {lm.weights} (layouts: {', '.join(layouts)})\n"
+          f"bytes held by weight tensors: {lm.weight_bytes:,}\nload time: {lm.load_seconds:.2f} s")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "pull": cmd_pull, "models": cmd_models, "info": cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        build_parser().print_help()
+        return 2
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        return COMMANDS[args.command](args)
+    except LowbitError as e:
+        print(f"lowbit: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # a bug, not a user error: still one line unless asked for more
+        if os.environ.get("LOWBIT_DEBUG"):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else ""
+        print(f"lowbit: internal error: {type(e).__name__}: {msg} (LOWBIT_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""GGUF file → (config, lowbit weights, metadata), memory-mapped (runtime/gguf_file.py).
+
+Every tensor is checked before anything is converted (type supported, bytes inside the file), so a
+bad file fails in a second with one line naming file, tensor and type rather than half-way through.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from lowbit.models.config import LlamaConfig
+from lowbit.quant import WeightSpec
+from lowbit.quant.ggml import SUPPORTED, load_matrix, to_float_tensor
+from lowbit.runtime.errors import LowbitError
+from lowbit.runtime.gguf_file import GGUFFile
+
+
+def _check_tensors(f: GGUFFile) -> None:
+    """Types first: the container parser already checked that every tensor lies inside the file."""
+    for t in f.tensors:
+        if t.tensor_type not in SUPPORTED:
+            raise LowbitError(f"{f.path}: tensor {t.name} has type {t.tensor_type.name}, which lowbit does not support "
+                              f"(supported: {', '.join(q.name for q in SUPPORTED)})")
+
+
+def _gguf_to_hf_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's Q/K permutation.
+
+    llama.cpp's converter stores each head's rows as [head, half_dim, 2] so rotary pairs (2i, 2i+1)
+    are adjacent; HF keeps [head, 2, half_dim] (rotate-half). One rotary convention in the model
+    means un-permuting rows here — a lossless reorder, scales travel with their rows.
+    """
+    hd = n_rows // n_head
+    return torch.arange(n_rows).view(n_head, hd // 2, 2).transpose(1, 2).reshape(-1)  # [h, 2, hd/2] order
+
+
+def load_gguf(path: Path, target: WeightSpec | None, progress: Callable[[int], None] | None = None):
+    """→ (LlamaConfig, weights dict, metadata). target None = `auto` (lossless where possible).
+
+    Names in the dict: embed, output (absent when tied), norm, rope_freqs (llama3 files), and per
+    layer `layers.{i}.{attn_norm,ffn_norm,wq,wk,wv,wo,w_gate,w_up,w_down,bq,bk,bv}`.
+    """
+    path = Path(path)
+    f = GGUFFile(path)
+    meta = f.metadata
+    _check_tensors(f)
+    tensors = {t.name: t for t in f.tensors}
+    if "token_embd.weight" not in tensors:
+        raise LowbitError(f"{path}: missing tensor token_embd.weight")
+    embd = tensors["token_embd.weight"]
+    try:
+        config = LlamaConfig.from_gguf(meta, vocab_size=int(embd.shape[1]), tie_embeddings="output.weight" not in tensors)
+    except ValueError as e:
+        raise LowbitError(f"{path}: {e}") from None
+
+    def tensor(name: str):
+        if name not in tensors:
+            raise LowbitError(f"{path}: missing tensor {name}")
+        return tensors[name]
+
+    def vector(name: str) -> torch.Tensor:
+        t = tensor(name)
+        return to_float_tensor(t.data, t.tensor_type, (int(t.n_elements),))
+
+    def matrix(name: str, spec: WeightSpec | None, rows: torch.Tensor | None = None):
+        t = tensor(name)
+        if len(t.shape) != 2:
+            raise LowbitError(f"{path}: tensor {name} has shape {list(t.shape)}, expected a matrix")
+        K, N = int(t.shape[0]), int(t.shape[1])
+        w = load_matrix(t.data, t.tensor_type, N, K, spec)
+        return w if rows is None else w.rows(rows)
+
+    c = config
+    # Embedding and LM head keep their file precision unless a float layout was asked for: they are
+    # ~20% of a small model's bytes but set the quality of every logit.
+    head_spec = target if target is not None and not target.quantized else None
+    weights: dict[str, Any] = {"embed": matrix("token_embd.weight", head_spec), "norm": vector("output_norm.weight")}
+    if not c.tie_embeddings:
+        weights["output"] = matrix("output.weight", head_spec)
+    if "rope_freqs.weight" in tensors:
+        weights["rope_freqs"] = vector("rope_freqs.weight")
+    permute = c.arch in ("llama", "mistral")  # qwen2 files keep HF's rotate-half order
+    q_rows = _gguf_to_hf_rows(c.n_heads * c.head_dim, c.n_heads) if permute else None
+    k_rows = _gguf_to_hf_rows(c.n_kv_heads * c.head_dim, c.n_kv_heads) if permute else None
+    for i in range(c.n_layers):
+        p, b = f"layers.{i}.", f"blk.{i}."
+        weights[p + "attn_norm"] = vector(b + "attn_norm.weight")
+        weights[p + "ffn_norm"] = vector(b + "ffn_norm.weight")
+        weights[p + "wq"] = matrix(b + "attn_q.weight", target, q_rows)
+        weights[p + "wk"] = matrix(b + "attn_k.weight", target, k_rows)
+        weights[p + "wv"] = matrix(b + "attn_v.weight", target)
+        weights[p + "wo"] = matrix(b + "attn_output.weight", target)
+        weights[p + "w_gate"] = matrix(b + "ffn_gate.weight", target)
+        weights[p + "w_up"] = matrix(b + "ffn_up.weight", target)
+        weights[p + "w_down"] = matrix(b + "ffn_down.weight", target)
+        for n, rows in (("q", q_rows), ("k", k_rows), ("v", None)):
+            if f"{b}attn_{n}.bias" in tensors:
+                bias = vector(f"{b}attn_{n}.bias")
+                weights[p + "b" + n] = bias if rows is None else bias[rows]
+        if progress:
+            progress(i + 1)
+    return config, weights, meta
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    """Bytes of tensor data in the file (what the memory acceptance compares against)."""
+    return sum(t.n_bytes for t in GGUFFile(path).tensors)

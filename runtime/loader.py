@@ -1,0 +1,98 @@
+"""Model reference → a ready model + tokenizer: resolve, read (GGUF or safetensors), build."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowbit.models.config import LlamaConfig
+from lowbit.models.llama import Llama
+from lowbit.quant import parse_weights
+from lowbit.runtime.errors import LowbitError
+from lowbit.runtime.registry import resolve
+from lowbit.runtime.tokenizer import Tokenizer
+
+DEFAULT_HF_WEIGHTS = "int4-g32"
+
+
+@dataclass
+class LoadedModel:
+    model: Llama
+    tokenizer: Tokenizer
+    config: LlamaConfig
+    path: Path
+    source: str  # "gguf" | "safetensors"
+    weights: str  # the --weights the model was loaded with
+    load_seconds: float
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes held by the model's tensors (shared tensors counted once)."""
+        return sum(b.numel() * b.element_size() for b in self.model.buffers())
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="layer", leave=False, file=sys.stderr)
+    return (lambda n: bar.update(n - bar.n)), bar.close
+
+
+def load(ref: str | None, weights: str = "auto", progress: bool | None = None) -> LoadedModel:
+    """weights: `auto` (GGUF: lossless native layouts; safetensors: int4-g32) or a layout name."""
+    if progress is None:
+        progress = sys.stderr.isatty()
+    say = (lambda s: print(f"lowbit: {s}", file=sys.stderr)) if progress else None
+    path = resolve(ref, progress=say)
+    t0 = time.perf_counter()
+    try:
+        spec = None if weights == "auto" else parse_weights(weights)
+    except ValueError as e:
+        raise LowbitError(str(e)) from None
+    if path.is_dir():
+        from lowbit.runtime.safetensors_loader import load_hf_dir
+
+        spec = spec or parse_weights(DEFAULT_HF_WEIGHTS)
+        tokenizer = Tokenizer.from_hf_dir(path)
+        n_layers = _hf_layers(path)
+        update, close = _progress_bar(n_layers, f"loading {path.name}", progress)
+        try:
+            config, w, _ = load_hf_dir(path, spec, update)
+        finally:
+            close()
+        source, used = "safetensors", spec.name
+    else:
+        from lowbit.runtime.gguf_file import GGUFFile
+        from lowbit.runtime.gguf_loader import load_gguf
+
+        meta = GGUFFile(path).metadata
+        arch = meta.get("general.architecture")
+        update, close = _progress_bar(int(meta.get(f"{arch}.block_count", 0) or 0), f"loading {path.name}", progress)
+        try:
+            config, w, _ = load_gguf(path, spec, update)
+        finally:
+            close()
+        try:
+            tokenizer = Tokenizer.from_gguf_metadata(meta)
+        except ValueError as e:
+            raise LowbitError(f"{path}: {e}") from None
+        source, used = "gguf", weights
+    with torch.no_grad():
+        model = Llama(config, w).eval()
+    del w
+    return LoadedModel(model, tokenizer, config, path, source, used, time.perf_counter() - t0)
+
+
+def _hf_layers(path: Path) -> int:
+    import json
+
+    try:
+        return int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError):
+        return 0

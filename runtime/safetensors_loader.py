@@ -1,0 +1,182 @@
+"""Hugging Face checkpoint directory (config.json + *.safetensors) → (config, lowbit weights, config dict).
+
+Llama-family only (model_type llama, mistral, qwen2). Tensors are read one at a time through
+`safetensors.safe_open` (memory-mapped) and quantized to the target layout as they arrive, so the
+peak is the final weights plus one source tensor in fp32, never a full-precision copy of the model.
+Every tensor's name and shape is checked against config.json before anything is converted, so a
+wrong or truncated checkpoint fails at once with one line naming file and tensor.
+
+HF keeps Q/K rows in rotate-half order, which is the model's own convention: no permutation here
+(GGUF `llama` files need one; see runtime/gguf_loader.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Callable
+
+from safetensors import SafetensorError, safe_open
+
+from lowbit.models.config import LlamaConfig
+from lowbit.quant import WeightSpec, parse_weights, quantize_weight
+from lowbit.runtime.errors import LowbitError
+
+INDEX_NAME = "model.safetensors.index.json"
+# lowbit name → HF name inside `model.layers.{i}.`
+LAYER_MATRICES = {
+    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight", "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+LAYER_VECTORS = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight"}
+LAYER_BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+# Buffers some older checkpoints saved alongside the weights; recomputed from config, never read.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise LowbitError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LowbitError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise LowbitError(f"{cfg_path}: expected a JSON object")
+    return cfg
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files holding the checkpoint: those the index names, else every *.safetensors."""
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise LowbitError(f"{index}: unreadable shard index ({type(e).__name__}: {e})") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise LowbitError(f"{index}: names shard {f.name}, which is missing from {path}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    # Mistral's repositories ship their own-format consolidated.safetensors next to the HF files.
+    files = [f for f in files if not f.name.startswith("consolidated")] or files
+    if not files:
+        raise LowbitError(f"{path}: no *.safetensors files (lowbit reads safetensors checkpoints, not .bin/.pt)")
+    return files
+
+
+def _open_all(path: Path, files: list[Path], stack: ExitStack) -> dict[str, Any]:
+    """Tensor name → open safe_open handle of the file that holds it."""
+    where: dict[str, Any] = {}
+    for f in files:
+        try:
+            handle = stack.enter_context(safe_open(str(f), framework="pt"))
+        except (SafetensorError, OSError) as e:
+            raise LowbitError(f"{f}: unreadable safetensors file ({e})") from None
+        for name in handle.keys():
+            where[name] = (f, handle)
+    return where
+
+
+def load_hf_dir(path: Path, target: WeightSpec,
+                progress: Callable[[int], None] | None = None) -> tuple[LlamaConfig, dict, dict]:
+    """→ (LlamaConfig, weights dict, config.json dict). Weight names as runtime/gguf_loader.py:
+    embed, output (absent when tied), norm, and `layers.{i}.{attn_norm, ffn_norm, wq, wk, wv, wo,
+    w_gate, w_up, w_down}` plus `bq, bk, bv` when the checkpoint has Q/K/V biases (Qwen2)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise LowbitError(f"{path}: not a directory (expected a Hugging Face checkpoint: config.json + *.safetensors)")
+    cfg = read_config(path)
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
+        raise LowbitError(f"{path / 'config.json'}: pre-quantized checkpoint ({method}) is not supported; "
+                          "use the full-precision checkpoint and let lowbit quantize it")
+    try:
+        config = LlamaConfig.from_hf(cfg)
+    except KeyError as e:
+        raise LowbitError(f"{path}: config.json has no key {e}") from None
+    except (ValueError, TypeError) as e:  # unknown model_type / rope scaling; a value of the wrong type
+        raise LowbitError(f"{path}: {e}") from None
+
+    with ExitStack() as stack:
+        where = _open_all(path, shard_files(path), stack)
+        prefix = "model." if any(k.startswith("model.layers.") or k == "model.embed_tokens.weight" for k in where) else ""
+        embed_name = prefix + "embed_tokens.weight"
+        if embed_name not in where:
+            raise LowbitError(f"{path}: missing tensor {embed_name}")
+        vocab = int(where[embed_name][1].get_slice(embed_name).get_shape()[0])
+        if vocab != config.vocab_size:  # padded tables: the tensor is the truth, as for GGUF
+            config = dataclasses.replace(config, vocab_size=vocab)
+        plan = _plan(config, prefix)
+        _check(path, plan, where)
+        weights = _convert(config, plan, where, target, progress)
+    return config, weights, cfg
+
+
+def _plan(c: LlamaConfig, prefix: str) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(lowbit name, HF name, expected shape, kind) in load order; kind is matrix, head or vector."""
+    D, Dq, Dkv = c.dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    plan = [("embed", prefix + "embed_tokens.weight", (c.vocab_size, D), "head"),
+            ("norm", prefix + "norm.weight", (D,), "vector")]
+    if not c.tie_embeddings:
+        plan.append(("output", "lm_head.weight", (c.vocab_size, D), "head"))
+    mats = {"wq": (Dq, D), "wk": (Dkv, D), "wv": (Dkv, D), "wo": (D, Dq),
+            "w_gate": (c.hidden_dim, D), "w_up": (c.hidden_dim, D), "w_down": (D, c.hidden_dim)}
+    biases = {"bq": (Dq,), "bk": (Dkv,), "bv": (Dkv,)}
+    for i in range(c.n_layers):
+        hp, lp = f"{prefix}layers.{i}.", f"layers.{i}."
+        plan += [(lp + n, hp + hf, (D,), "vector") for n, hf in LAYER_VECTORS.items()]
+        plan += [(lp + n, hp + hf, mats[n], "matrix") for n, hf in LAYER_MATRICES.items()]
+        if c.qkv_bias:
+            plan += [(lp + n, hp + hf, biases[n], "vector") for n, hf in LAYER_BIASES.items()]
+    return plan
+
+
+def _check(path: Path, plan, where: dict) -> None:
+    """Every tensor present with the shape config.json implies, and nothing the model would ignore."""
+    wanted = set()
+    for _, name, shape, _ in plan:
+        wanted.add(name)
+        if name not in where:
+            raise LowbitError(f"{path}: missing tensor {name}")
+        f, handle = where[name]
+        got = tuple(int(s) for s in handle.get_slice(name).get_shape())
+        if got != shape:
+            raise LowbitError(f"{f}: tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
+    for name, (f, _) in where.items():
+        if name in wanted or name.endswith(IGNORED_SUFFIXES) or name == "lm_head.weight":
+            continue  # lm_head.weight next to tie_word_embeddings=true: a duplicate of the table
+        # e.g. o_proj.bias / mlp biases (attention_bias, mlp_bias): silently dropping them would
+        # give a model that loads and computes the wrong thing.
+        raise LowbitError(f"{f}: tensor {name} is not part of a lowbit Llama-family model (unsupported variant)")
+
+
+def _convert(c: LlamaConfig, plan, where: dict, target: WeightSpec, progress) -> dict[str, Any]:
+    # Embedding and LM head: int8-g32 when the target is quantized (int4 or int8) — they are a large
+    # share of a small model's bytes but set the quality of every logit — else the float target.
+    head_spec = parse_weights("int8-g32") if target.quantized else target
+    weights: dict[str, Any] = {}
+    layer_of = [int(n.split(".")[1]) if n.startswith("layers.") else None for n, _, _, _ in plan]
+    for j, (lname, name, _, kind) in enumerate(plan):
+        f, handle = where[name]
+        t = handle.get_tensor(name)  # source dtype (bf16/fp16/fp32); the quantizer takes it as is
+        if not t.is_floating_point():
+            raise LowbitError(f"{f}: tensor {name} has dtype {t.dtype}, expected a float tensor")
+        if kind == "vector":
+            weights[lname] = t.float().contiguous()
+        else:
+            weights[lname] = quantize_weight(t, head_spec if kind == "head" else target)
+        del t
+        i = layer_of[j]
+        if progress and i is not None and (j + 1 == len(plan) or layer_of[j + 1] != i):
+            progress(i + 1)  # after a layer's last tensor, 1-based like the GGUF loader
+    return weights
+
+
+__all__ = ["load_hf_dir", "read_config", "shard_files"]

@@ -1,0 +1,214 @@
+"""Tokenizer: text <-> token ids and chat prompts, for a GGUF or a HF tokenizer directory.
+
+The ids come from a HF `tokenizers.Tokenizer`: built in memory from GGUF metadata so that it
+gives llama.cpp's ids (see tokenizer_gguf.py), or loaded from `tokenizer.json`. Decoding goes
+through a table of each token's raw bytes (`token_bytes`) rather than the HF decoder, so
+`decode` and a streaming detokenizer always agree. The chat template lives in chat_template.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from .chat_template import ChatTemplate
+from .tokenizer_gguf import (  # noqa: F401  (token types re-exported for callers and tests)
+    BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, byte_level_bytes, end_of_turn_ids,
+    gpt2_byte_decoder, spm_bytes, tokenizer_parts)
+
+
+class Tokenizer:
+    """Encode/decode plus the model's chat template. Build with `from_gguf`,
+    `from_gguf_metadata` or `from_hf_dir`, not the constructor."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, pieces: Sequence[bytes], *,
+                 special_ids: frozenset[int], bos_id: int | None, eos_ids: frozenset[int],
+                 add_bos: bool, add_space_prefix: bool, chat_template: str | None,
+                 template_tokens: Mapping[str, str | None]):
+        self._backend = backend
+        self._pieces = tuple(pieces)            # id -> raw bytes of that token
+        self.vocab_size: int = len(self._pieces)
+        self.special_ids = special_ids          # ids `decode(skip_special=True)` drops
+        self.bos_id = bos_id
+        self.eos_ids = eos_ids
+        self.add_bos = add_bos
+        # SentencePiece: encode prepends '▁' to the text, so decode drops one leading space.
+        self.add_space_prefix = add_space_prefix
+        self.chat_template = chat_template
+        self._template = ChatTemplate(chat_template, template_tokens) if chat_template else None
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        # Imported here: only this path needs it, and GGUFReader takes ~2 s on a 49k vocabulary
+        # (one numpy view per string), so callers with metadata in hand use from_gguf_metadata.
+        from gguf import GGUFReader
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"GGUF file not found: {path}")
+        try:
+            reader = GGUFReader(path)
+        except Exception as e:  # gguf raises bare ValueError/struct.error on a bad header
+            raise ValueError(f"cannot read GGUF {path}: {e}") from None
+        meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        return cls.from_gguf_metadata(meta)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        return cls(**tokenizer_parts(meta))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"no tokenizer.json in {path}")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises its own Exception type with a long message
+            raise ValueError(f"cannot load {path / 'tokenizer.json'}: {_one_line(e)}") from None
+        spec = json.loads(backend.to_str())
+        kind = (spec.get("model") or {}).get("type")
+        if kind not in ("BPE", "Unigram"):  # WordPiece/WordLevel: encoder models, not LLMs
+            raise ValueError(f"unsupported tokenizer.json model type {kind!r} in {path}")
+        config = _read_json(path / "tokenizer_config.json")
+        specials_map = _read_json(path / "special_tokens_map.json")
+        added = backend.get_added_tokens_decoder()  # id -> AddedToken
+        text_of = {i: t for t, i in backend.get_vocab(with_added_tokens=True).items()}
+        n = max(text_of) + 1
+        byte_level = _has_step(spec.get("decoder"), "ByteLevel")
+        byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
+        decoder = gpt2_byte_decoder()
+        # Added tokens print as written (as llama.cpp prints special and user-defined tokens);
+        # an id with no token (a hole in the vocabulary) prints nothing.
+        pieces = [text_of.get(i, "").encode() if i in added or i not in text_of
+                  else byte_level_bytes(text_of[i], decoder) if byte_level
+                  else spm_bytes(text_of[i], byte_fallback) for i in range(n)]
+        special = frozenset(i for i, t in added.items() if t.special)
+
+        def named(name: str) -> tuple[str | None, int | None]:
+            value = config.get(name, specials_map.get(name))
+            value = value.get("content") if isinstance(value, dict) else value
+            return (value, backend.token_to_id(value)) if isinstance(value, str) else (None, None)
+
+        names = {k: named(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        bos, eos = names["bos_token"][1], names["eos_token"][1]
+        add_bos = config.get("add_bos_token")
+        if not isinstance(add_bos, bool):
+            # No flag: the post-processor (TemplateProcessing) decides whether HF adds BOS.
+            with_special = backend.encode("a", add_special_tokens=True).ids
+            plain = backend.encode("a", add_special_tokens=False).ids
+            add_bos = bos is not None and with_special[:1] == [bos] and plain[:1] != [bos]
+        ends = {eos} if eos is not None else set()
+        for extra in ("generation_config.json", "config.json"):  # these list every end id
+            value = _read_json(path / extra).get("eos_token_id")
+            ends.update(v for v in (value if isinstance(value, list) else [value])
+                        if isinstance(v, int) and 0 <= v < n)
+        ends |= end_of_turn_ids({text_of[i]: i for i in special if i in text_of})
+        return cls(backend, pieces, special_ids=special, bos_id=bos, eos_ids=frozenset(ends),
+                   add_bos=add_bos and bos is not None,
+                   add_space_prefix=_strips_leading_space(spec.get("decoder")),
+                   chat_template=_hf_chat_template(path, config),
+                   template_tokens={k: v[0] for k, v in names.items() if v[0] is not None})
+
+    # ---- text <-> ids ---------------------------------------------------------------------
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def token_bytes(self, id: int) -> bytes:
+        """Raw bytes of one token (may be part of a UTF-8 character). Special tokens give their
+        text; SentencePiece pieces keep the space that '▁' stands for (see `add_space_prefix`)."""
+        if not 0 <= id < self.vocab_size:
+            raise ValueError(f"token id {id} is outside the vocabulary (size {self.vocab_size})")
+        return self._pieces[id]
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """Text of `ids`; `skip_special` drops control/unknown tokens (not user-defined ones)."""
+        pieces = [self.token_bytes(int(i)) for i in ids
+                  if not (skip_special and int(i) in self.special_ids)]
+        if self.add_space_prefix and pieces and pieces[0].startswith(b" "):
+            pieces[0] = pieces[0][1:]
+        # A sequence can end inside a multi-byte character (e.g. mid-generation).
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+    # ---- chat -----------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template (tokenizer.chat_template); "
+                             "format the prompt yourself and use encode()")
+        return self._template.render(messages, add_generation_prompt, **kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        ids = self.encode(text, add_special=False)
+        # Many templates write `{{ bos_token }}` themselves; adding another would double it.
+        if self.add_bos and not (ids and ids[0] == self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The HF tokenizer doing the encoding (special tokens already added; no BOS added)."""
+        return self._backend
+
+
+# ---- reading a HF tokenizer directory -------------------------------------------------------
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot parse {path}: {_one_line(e)}") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _steps(node: Any) -> list[dict]:
+    """A decoder/normalizer JSON node flattened: Sequence nodes list their parts."""
+    if not isinstance(node, dict):
+        return []
+    parts = node.get("decoders") or node.get("normalizers") or node.get("pretokenizers")
+    return [s for p in parts for s in _steps(p)] if isinstance(parts, list) else [node]
+
+
+def _has_step(node: Any, kind: str) -> bool:
+    return any(s.get("type") == kind for s in _steps(node))
+
+
+def _strips_leading_space(decoder: Any) -> bool:
+    # Llama-style: Strip(' ', start=1); Metaspace decoders drop the prepended '▁' themselves.
+    for s in _steps(decoder):
+        if s.get("type") == "Strip" and s.get("start", 0) > 0:
+            return True
+        if s.get("type") == "Metaspace" and s.get("prepend_scheme", "always") != "never":
+            return True
+    return False
+
+
+def _hf_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
+    if (path / "chat_template.jinja").is_file():  # transformers >= 4.43 saves it apart
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": …}, …]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
