@@ -10,8 +10,8 @@ CPU has two paths, chosen per call by M (the rows of x):
   multiplied by oneDNN's fp32 GEMM. Exact, and faster than the fused kernel once M is large
   (M = 512: 7.7 ms against 21 ms for the bf16 kernel on the 1728x576 weight).
 
-Only the packed codes and the file's own fp16 scales are held (the bf16 scale/zero pairs are
-rebuilt per decode call, ~20 us), so memory stays at the GGUF's size.
+Only the packed codes and the file's own fp16 scales and mins are held (the bf16 scale/zero pairs
+are rebuilt per decode call), so memory stays at the GGUF's size.
 
 The kernel's convention w = (u - 8) * scale + zero covers both lowbit layouts: asymmetric
 (w = d * u + m) is scale = d, zero = m + 8 d; symmetric (w = d * (u - 8)) is zero = 0.
@@ -31,15 +31,27 @@ _BLOCK_N = 32  # rows per tile in torch 2.13's CPU int4 packing; checked on ever
 @dataclass
 class Int4Packed:
     packed: torch.Tensor  # uint8, torch's CPU tile layout of codes [Np, Kp]
-    scales: torch.Tensor  # fp16 [G, Np] (G-major so the bf16 pairs are built contiguously)
-    mins: torch.Tensor | None  # fp16 [G, Np] (asymmetric) or None
+    scale_min: torch.Tensor  # fp16 [G, Np, 2]: (d, m) pairs, the kernel's pair layout; [G, Np, 1] (d) if symmetric
     group_size: int
     out_features: int  # N before padding to 16 rows
     in_features: int  # K before padding to a whole group
 
     @property
     def padded_shape(self) -> tuple[int, int]:
-        return self.scales.shape[1], self.scales.shape[0] * self.group_size
+        return self.scale_min.shape[1], self.scale_min.shape[0] * self.group_size
+
+    def scale_zeros(self) -> torch.Tensor:
+        """bf16 [G, Np, 2] (scale, zero) for the fused kernel: zero = m + 8 d (asymmetric), 0 (symmetric).
+        Rebuilt per call (~80 us for a 3072x576 weight) so only the exact fp16 pairs are held."""
+        f = self.scale_min.float()
+        if self.symmetric:
+            return F.pad(f, (0, 1)).to(torch.bfloat16)
+        f[..., 1].add_(f[..., 0], alpha=8.0)
+        return f.to(torch.bfloat16)
+
+    @property
+    def symmetric(self) -> bool:
+        return self.scale_min.shape[2] == 1
 
 
 def _unpack_cpu(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
@@ -75,8 +87,9 @@ def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     if not torch.equal(_unpack_cpu(packed, Np, Kp), codes.to(torch.uint8)):
         raise RuntimeError("this torch build packs int4 weights in an unknown layout; lowbit supports torch 2.13's")
-    return Int4Packed(packed, scales.t().contiguous().half(), None if mins is None else mins.t().contiguous().half(),
-                      group_size, N, in_features)
+    pairs = (scales.t(),) if mins is None else (scales.t(), mins.t())
+    scale_min = torch.stack(pairs, dim=-1).half().contiguous()  # [G, Np, 2] or [G, Np, 1]
+    return Int4Packed(packed, scale_min, group_size, N, in_features)
 
 
 def dequantize_packed(w: Int4Packed, rows: slice = slice(None)) -> torch.Tensor:
@@ -85,10 +98,11 @@ def dequantize_packed(w: Int4Packed, rows: slice = slice(None)) -> torch.Tensor:
     codes = _unpack_cpu(w.packed, Np, Kp)[rows]  # [n, Kp]
     n, g = codes.shape[0], w.group_size
     u = codes.view(n, Kp // g, g).float()  # [n, G, g]
-    d = w.scales[:, rows].t().float().unsqueeze(-1)  # [n, G, 1]
-    if w.mins is None:
+    sm = w.scale_min[:, rows].transpose(0, 1).float()  # [n, G, 2]
+    d = sm[..., 0:1]  # [n, G, 1]
+    if w.symmetric:
         return (d * (u - 8.0)).reshape(n, Kp)
-    return (d * u + w.mins[:, rows].t().float().unsqueeze(-1)).reshape(n, Kp)
+    return (d * u + sm[..., 1:2]).reshape(n, Kp)
 
 
 def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.Tensor:
@@ -104,10 +118,8 @@ def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.
     if exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS:
         y = F.linear(x.float(), dequantize_packed(w))
     else:
-        d = w.scales.float()
-        zero = torch.zeros_like(d) if w.mins is None else w.mins.float() + 8.0 * d
-        sz = torch.stack((d, zero), dim=-1).to(torch.bfloat16)  # [G, Np, 2]
-        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w.packed, w.group_size, sz)
+        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w.packed, w.group_size,
+                                              w.scale_zeros())
     return y[:, : w.out_features] if Np != w.out_features else y
 
 

@@ -114,7 +114,7 @@ class Llama(nn.Module):
             # Tied: the LM head reads the embedding table itself when its layout has a kernel
             # (int8 tables are group-major and serve both); an int4 table gets a packed copy.
             shared = self.embed.w if not hasattr(self.embed.w, "codes") else weights["embed"]
-            self.output = QuantLinear(shared)
+            self.output = QuantLinear(shared, spec_name=weights["embed"].spec.name)
         self.register_buffer("inv_freq", inv_frequencies(config, weights.get("rope_freqs")), persistent=False)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, start: int, last_only: bool = False,

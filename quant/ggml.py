@@ -61,29 +61,20 @@ def to_float_tensor(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> torch.
     return torch.from_numpy(quants.dequantize(b, qtype).astype(np.float32, copy=False)).reshape(shape)
 
 
-def _blocks(raw: np.ndarray, N: int, K: int, block_bytes: int) -> torch.Tensor:
-    """uint8 [N, K/32, block_bytes] copy of a block-quantized matrix (the file is mapped read-only)."""
-    return torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True).reshape(N, K // 32, block_bytes))
-
-
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 2] little-endian → fp16 [...]."""
-    return b.contiguous().view(torch.float16).squeeze(-1)
-
-
 def relayout(raw: np.ndarray, qtype: T, N: int, K: int) -> Weight:
-    """Q4_0 / Q4_1 / Q8_0 bytes of an [N, K] matrix → the lowbit layout with identical values."""
+    """Q4_0 / Q4_1 / Q8_0 bytes of an [N, K] matrix → the lowbit layout with identical values.
+    (numpy for the byte shuffling: a few ms for the largest matrix of the default model.)"""
     spec = LOSSLESS[qtype]
+    nb = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34}[qtype]
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(N, K // 32, nb)  # [N, G, nb]
+    d = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0])  # [N, G] fp16
     if qtype == T.Q8_0:
-        b = _blocks(raw, N, K, 34)  # [N, G, 34]
-        q = b[..., 2:].contiguous().view(torch.int8).reshape(N, K)
-        return Int8Weight(spec, K, q.contiguous(), _f16(b[..., 0:2]).contiguous())
-    nb = 18 if qtype == T.Q4_0 else 20
-    b = _blocks(raw, N, K, nb)  # [N, G, nb]
+        q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(N, K)
+        return Int8Weight(spec, K, torch.from_numpy(q), d)
     qs = b[..., nb - 16:]  # [N, G, 16]: element j in the low nibble, element j + 16 in the high one
-    codes = torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(N, K)  # [N, K] in element order
-    mins = _f16(b[..., 2:4]).contiguous() if qtype == T.Q4_1 else None
-    return Int4Weight(spec, K, pack_nibbles(codes), _f16(b[..., 0:2]).contiguous(), mins)
+    codes = np.concatenate((qs & 0xF, qs >> 4), axis=-1).reshape(N, K)  # [N, K] in element order
+    mins = torch.from_numpy(np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]) if qtype == T.Q4_1 else None
+    return Int4Weight(spec, K, pack_nibbles(torch.from_numpy(codes)), d, mins)
 
 
 def load_matrix(raw: np.ndarray, qtype: T, N: int, K: int, target: WeightSpec | None) -> Weight:

@@ -51,9 +51,9 @@ class QuantLinear(nn.Module):
     `exact`: force the exact fp32 path (True) or the fused low-precision kernel (False); None lets
     the kernel choose by the number of rows (see kernels/int4_mm.py)."""
 
-    def __init__(self, weight: Weight | Int8Packed, bias: torch.Tensor | None = None):
+    def __init__(self, weight: Weight | Int8Packed, bias: torch.Tensor | None = None, spec_name: str | None = None):
         super().__init__()
-        self.spec_name = weight.spec.name if hasattr(weight, "spec") else "int8"
+        self.spec_name = spec_name or weight.spec.name  # an already packed table passes its layout's name
         self.w = weight if isinstance(weight, Int8Packed) else pack(weight)
         _register(self, self.w)
         self.out_features = (self.w.weight.shape[0] if isinstance(self.w, FloatWeight) else

@@ -37,15 +37,14 @@ def _gguf_to_hf_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).view(n_head, hd // 2, 2).transpose(1, 2).reshape(-1)  # [h, 2, hd/2] order
 
 
-def load_gguf(path: Path, target: WeightSpec | None, progress: Callable[[int], None] | None = None):
+def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Callable[[int], None] | None = None):
     """→ (LlamaConfig, weights dict, metadata). target None = `auto` (lossless where possible).
 
     Names in the dict: embed, output (absent when tied), norm, rope_freqs (llama3 files), and per
     layer `layers.{i}.{attn_norm,ffn_norm,wq,wk,wv,wo,w_gate,w_up,w_down,bq,bk,bv}`.
     """
-    path = Path(path)
-    f = GGUFFile(path)
-    meta = f.metadata
+    f = source if isinstance(source, GGUFFile) else GGUFFile(Path(source))
+    path, meta = f.path, f.metadata
     _check_tensors(f)
     tensors = {t.name: t for t in f.tensors}
     if "token_embd.weight" not in tensors:

@@ -71,11 +71,12 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None) -
         from lowbit.runtime.gguf_file import GGUFFile
         from lowbit.runtime.gguf_loader import load_gguf
 
-        meta = GGUFFile(path).metadata
+        gguf = GGUFFile(path)
+        meta = gguf.metadata
         arch = meta.get("general.architecture")
         update, close = _progress_bar(int(meta.get(f"{arch}.block_count", 0) or 0), f"loading {path.name}", progress)
         try:
-            config, w, _ = load_gguf(path, spec, update)
+            config, w, _ = load_gguf(gguf, spec, update)
         finally:
             close()
         try:

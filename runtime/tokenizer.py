@@ -45,19 +45,17 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        # Imported here: only this path needs it, and GGUFReader takes ~2 s on a 49k vocabulary
-        # (one numpy view per string), so callers with metadata in hand use from_gguf_metadata.
-        from gguf import GGUFReader
+        from lowbit.runtime.errors import LowbitError
+        from lowbit.runtime.gguf_file import GGUFFile
 
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"GGUF file not found: {path}")
         try:
-            reader = GGUFReader(path)
-        except Exception as e:  # gguf raises bare ValueError/struct.error on a bad header
-            raise ValueError(f"cannot read GGUF {path}: {e}") from None
-        meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-        return cls.from_gguf_metadata(meta)
+            meta = GGUFFile(path).metadata
+        except LowbitError as e:
+            raise ValueError(str(e)) from None
+        return cls.from_gguf_metadata({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
