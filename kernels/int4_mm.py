@@ -54,23 +54,24 @@ class Int4Packed:
         return self.scale_min.shape[2] == 1
 
 
-def _unpack_cpu(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """Inverse of `_convert_weight_to_int4pack_for_cpu` (torch 2.13): uint8 codes [N, K].
+def _unpack_cpu_t(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """Inverse of `_convert_weight_to_int4pack_for_cpu` (torch 2.13), transposed: uint8 codes [K, N].
 
     Full tiles of 32 rows store byte[k*16 + d] = row d | row (d+16) << 4; a last tile of r < 32
-    rows stores byte[k*r/2 + j] = row 2j | row (2j+1) << 4.
+    rows stores byte[k*r/2 + j] = row 2j | row (2j+1) << 4. K-major output is what the exact path
+    multiplies by (x @ W^T), and it lets the per-group scales broadcast along contiguous rows.
     """
     flat = packed.reshape(-1)
     full = N // _BLOCK_N
-    out = torch.empty(N, K, dtype=torch.uint8)
+    parts = []
     if full:
         b = flat[: full * _BLOCK_N * K // 2].view(full, K, _BLOCK_N // 2)  # [tiles, K, 16]
-        out[: full * _BLOCK_N] = torch.cat((b & 0xF, b >> 4), dim=2).transpose(1, 2).reshape(-1, K)
+        parts.append(torch.cat((b & 0xF, b >> 4), dim=2).transpose(0, 1).reshape(K, full * _BLOCK_N))  # [K, N_full]
     rest = N - full * _BLOCK_N
     if rest:
         b = flat[full * _BLOCK_N * K // 2:].view(K, rest // 2)  # [K, r/2]
-        out[full * _BLOCK_N:] = torch.stack((b & 0xF, b >> 4), dim=2).reshape(K, rest).t()
-    return out
+        parts.append(torch.stack((b & 0xF, b >> 4), dim=2).reshape(K, rest))  # [K, r]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
@@ -85,24 +86,26 @@ def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
         scales = F.pad(scales, (0, 0, 0, Np - N))
         mins = None if mins is None else F.pad(mins, (0, 0, 0, Np - N))
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-    if not torch.equal(_unpack_cpu(packed, Np, Kp), codes.to(torch.uint8)):
+    if not torch.equal(_unpack_cpu_t(packed, Np, Kp), codes.to(torch.uint8).t()):
         raise RuntimeError("this torch build packs int4 weights in an unknown layout; lowbit supports torch 2.13's")
     pairs = (scales.t(),) if mins is None else (scales.t(), mins.t())
     scale_min = torch.stack(pairs, dim=-1).half().contiguous()  # [G, Np, 2] or [G, Np, 1]
     return Int4Packed(packed, scale_min, group_size, N, in_features)
 
 
-def dequantize_packed(w: Int4Packed, rows: slice = slice(None)) -> torch.Tensor:
-    """Exact fp32 [n, Kp] weights of some rows (a tile for one call, never kept)."""
+def dequantize_packed_t(w: Int4Packed) -> torch.Tensor:
+    """Exact fp32 W^T [Kp, Np] (a tile for one call, never kept), computed in the reference's
+    order — d * (u - 8), d * u + m — so it matches quant/int4.py's dequantize bit for bit."""
     Np, Kp = w.padded_shape
-    codes = _unpack_cpu(w.packed, Np, Kp)[rows]  # [n, Kp]
-    n, g = codes.shape[0], w.group_size
-    u = codes.view(n, Kp // g, g).float()  # [n, G, g]
-    sm = w.scale_min[:, rows].transpose(0, 1).float()  # [n, G, 2]
-    d = sm[..., 0:1]  # [n, G, 1]
+    G, g = Kp // w.group_size, w.group_size
+    u = _unpack_cpu_t(w.packed, Np, Kp).view(G, g, Np)  # [G, g, Np]: rows of one group are contiguous
+    sm = w.scale_min.float()  # [G, Np, 1 or 2]
+    d = sm[:, None, :, 0]  # [G, 1, Np]
     if w.symmetric:
-        return (d * (u - 8.0)).reshape(n, Kp)
-    return (d * u + sm[..., 1:2]).reshape(n, Kp)
+        wt = (u.to(torch.int16) - 8) * d
+    else:
+        wt = (u * d).add_(sm[:, None, :, 1])
+    return wt.view(Kp, Np)
 
 
 def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.Tensor:
@@ -116,7 +119,7 @@ def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.
     if Kp != w.in_features:
         x = F.pad(x, (0, Kp - w.in_features))
     if exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS:
-        y = F.linear(x.float(), dequantize_packed(w))
+        y = x.float() @ dequantize_packed_t(w)
     else:
         y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w.packed, w.group_size,
                                               w.scale_zeros())

@@ -67,13 +67,14 @@ def relayout(raw: np.ndarray, qtype: T, N: int, K: int) -> Weight:
     spec = LOSSLESS[qtype]
     nb = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34}[qtype]
     b = np.ascontiguousarray(raw).view(np.uint8).reshape(N, K // 32, nb)  # [N, G, nb]
-    d = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0])  # [N, G] fp16
+    # np.array(copy=True): every array kept must own its bytes, never alias the read-only file map
+    d = torch.from_numpy(np.array(b[..., 0:2], copy=True).view(np.float16)[..., 0])  # [N, G] fp16
     if qtype == T.Q8_0:
-        q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(N, K)
+        q = np.array(b[..., 2:], copy=True).view(np.int8).reshape(N, K)
         return Int8Weight(spec, K, torch.from_numpy(q), d)
     qs = b[..., nb - 16:]  # [N, G, 16]: element j in the low nibble, element j + 16 in the high one
     codes = np.concatenate((qs & 0xF, qs >> 4), axis=-1).reshape(N, K)  # [N, K] in element order
-    mins = torch.from_numpy(np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]) if qtype == T.Q4_1 else None
+    mins = torch.from_numpy(np.array(b[..., 2:4], copy=True).view(np.float16)[..., 0]) if qtype == T.Q4_1 else None
     return Int4Weight(spec, K, pack_nibbles(torch.from_numpy(codes)), d, mins)
 
 

@@ -202,9 +202,6 @@ def test_extremes_are_what_they_should_be(tiny_lossless, qt):
     assert torch.allclose(deq("constant-negative"), torch.full((4, 96), -3.25), rtol=1e-3)
 
 
-@pytest.mark.xfail(strict=False, reason="quant/ggml.py relayout: np.ascontiguousarray returns the read-only file "
-                                        "map itself when a matrix is one block (N*K/32 == 1), so scales/mins "
-                                        "(and Q8_0 codes) alias it; fix: np.array(..., copy=True)")
 @pytest.mark.parametrize("qt", list(LOSSLESS), ids=lambda q: q.name)
 def test_relayout_copies_out_of_the_file_map(tiny_lossless, qt):
     """A layout must own its bytes: the file is mapped read-only (torch warns, and a write would crash)."""
