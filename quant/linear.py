@@ -56,9 +56,7 @@ class QuantLinear(nn.Module):
         self.spec_name = spec_name or weight.spec.name  # an already packed table passes its layout's name
         self.w = weight if isinstance(weight, Int8Packed) else pack(weight)
         _register(self, self.w)
-        self.out_features = (self.w.weight.shape[0] if isinstance(self.w, FloatWeight) else
-                             self.w.out_features if hasattr(self.w, "out_features") else self.w.qweight.shape[1])
-        self.bias = None if bias is None else bias.float()
+        self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
 
     def forward(self, x: torch.Tensor, exact: bool | None = None) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -2,6 +2,7 @@
 against transformers, the tokenizer.json path against the GGUF path, and a tiny
 SentencePiece-style GGUF written here against llama.cpp."""
 
+import importlib
 import json
 import random
 from pathlib import Path
@@ -107,13 +108,13 @@ def tok(smol_meta: dict) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def llama(default_gguf: Path):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importlib.import_module("llama_cpp")
     return llama_cpp.Llama(str(default_gguf), vocab_only=True, verbose=False)
 
 
 @pytest.fixture(scope="module")
 def hf_tok(default_gguf: Path):
-    transformers = pytest.importorskip("transformers")
+    transformers = importlib.import_module("transformers")
     return transformers.AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
 
 
@@ -240,7 +241,7 @@ _RICH_CHAT = [
 
 @pytest.mark.parametrize("template", range(len(_TEMPLATES)))
 def test_template_environment_matches_transformers(tok, template):
-    cu = pytest.importorskip("transformers.utils.chat_template_utils")
+    cu = importlib.import_module("transformers.utils.chat_template_utils")
     source = _TEMPLATES[template]
     ours = _with_template(tok, source)
     specials = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
@@ -284,7 +285,7 @@ def test_chat_template_features_and_errors(tok):
 def test_pre_tokenizers_match_llama_cpp(smol_meta, pre, tmp_path):
     """Same tokens and merges, another `tokenizer.ggml.pre`: the regex split (and, for llama-bpe
     and tekken, ignore_merges and BOS) must still follow llama.cpp."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importlib.import_module("llama_cpp")
     path = tmp_path / f"{pre}.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     for add, value in [(w.add_context_length, 64), (w.add_embedding_length, 8),

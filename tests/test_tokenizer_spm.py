@@ -1,6 +1,7 @@
 """The SentencePiece (`tokenizer.ggml.model = "llama"`) path, on a tiny llama-style vocabulary
 written here with gguf.GGUFWriter and checked against llama.cpp loading the same file."""
 
+import importlib
 import ctypes
 import random
 from pathlib import Path
@@ -74,7 +75,7 @@ def _strings() -> list[str]:
 
 @pytest.fixture(scope="module", params=[True, False], ids=["space_prefix", "no_space_prefix"])
 def pair(request, tmp_path_factory):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = importlib.import_module("llama_cpp")
     path = _write(tmp_path_factory.mktemp("spm") / "tiny.gguf", request.param)
     return Tokenizer.from_gguf(path), llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
 
@@ -141,8 +142,8 @@ def test_trained_sentencepiece_matches_spm_and_llama_cpp(tmp_path):
     sentencepiece library's and llama.cpp's on the same vocabulary."""
     import io
 
-    spm = pytest.importorskip("sentencepiece")
-    llama_cpp = pytest.importorskip("llama_cpp")
+    spm = importlib.import_module("sentencepiece")
+    llama_cpp = importlib.import_module("llama_cpp")
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(_corpus(3000)), model_writer=model, vocab_size=800, model_type="bpe",
