@@ -49,8 +49,8 @@ bf16 rounding (int8 and bf16 are themselves within bf16 of it).
 
 from __future__ import annotations
 
-import importlib
 import copy
+import importlib
 import json
 import math
 from pathlib import Path
