@@ -385,3 +385,43 @@ def test_info_names_the_q8_0_head_int8_g32(tiny_info):
     r = tiny_info
     assert r.returncode == 0, r.stderr
     assert "(layouts: int4-g32, int8-g32)" in r.stdout, r.stdout
+
+
+def test_hf_directory_runs_end_to_end(tiny_gguf, work, empty_models, tmp_path):
+    """A Hugging Face directory (config.json + model.safetensors + tokenizer.json) through the
+    whole CLI: `--raw --weights f32` greedy text equals transformers' greedy continuation."""
+    import importlib
+    import json
+
+    import torch
+
+    from lowbit.runtime.tokenizer import Tokenizer
+
+    transformers = importlib.import_module("transformers")
+    tok = Tokenizer.from_gguf(tiny_gguf)
+    d = tmp_path / "tiny-hf"
+    d.mkdir()
+    tok.backend.save(str(d / "tokenizer.json"))
+    eos = SPECIALS.index("<|im_end|>") + len(TOKENS) - len(SPECIALS)
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "add_bos_token": False}))
+    cfg = transformers.LlamaConfig(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   tie_word_embeddings=False, eos_token_id=eos)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF's init gives near-uniform logits; spread them so greedy is decisive
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
+    model.save_pretrained(d)
+    prompt = "this is the"
+    ids = tok.encode(prompt, add_special=False)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    new = [t for t in out[0, len(ids):].tolist() if t != eos]
+    assert len(new) >= 4 and tok.decode(new).strip(), "the reference continuation is too short to compare"
+    r = lowbit(["run", "--model", str(d), "--raw", "--weights", "f32", "--temperature", "0",
+                "--max-tokens", "8", prompt], empty_models, work)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == tok.decode(new).rstrip("\n")
+    assert STATS.search(r.stderr.strip().splitlines()[-1])
