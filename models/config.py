@@ -7,10 +7,11 @@ SmolLM2 (tied embeddings). The model never reads files: callers pass the parsed 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Mapping
 
 GGUF_ARCHS = ("llama", "qwen2", "mistral")
-HF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+HF_ARCHS = MappingProxyType({"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"})
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ into int8-g32, so `auto` never throws away more than the file already did by dro
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
@@ -25,10 +27,12 @@ from lowbit.quant.int4 import Int4Weight, pack_nibbles
 from lowbit.quant.int8 import Int8Weight
 from lowbit.quant.spec import WeightSpec, parse_weights
 
-LOSSLESS = {T.Q4_0: parse_weights("int4-sym-g32"), T.Q4_1: parse_weights("int4-g32"), T.Q8_0: parse_weights("int8-g32")}
-REQUANTIZED = {T.Q4_K: parse_weights("int4-g32"), T.Q5_0: parse_weights("int8-g32"), T.Q5_1: parse_weights("int8-g32"),
-               T.Q5_K: parse_weights("int8-g32"), T.Q6_K: parse_weights("int8-g32")}
-FLOATS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+LOSSLESS = MappingProxyType({T.Q4_0: parse_weights("int4-sym-g32"), T.Q4_1: parse_weights("int4-g32"),
+                             T.Q8_0: parse_weights("int8-g32")})
+REQUANTIZED = MappingProxyType({T.Q4_K: parse_weights("int4-g32"), T.Q5_0: parse_weights("int8-g32"),
+                                T.Q5_1: parse_weights("int8-g32"), T.Q5_K: parse_weights("int8-g32"),
+                                T.Q6_K: parse_weights("int8-g32")})
+FLOATS = MappingProxyType({T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16})
 SUPPORTED = (*LOSSLESS, *REQUANTIZED, *FLOATS)
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from types import MappingProxyType
 
-FLOAT_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+FLOAT_NAMES = MappingProxyType({"bf16": "bfloat16", "f16": "float16", "f32": "float32"})
 GROUP_SIZES = (32, 64, 128)
 
 

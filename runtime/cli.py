@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from types import MappingProxyType
 
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.registry import DEFAULT_MODEL
@@ -138,7 +139,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "pull": cmd_pull, "models": cmd_models, "info": cmd_info}
+COMMANDS = MappingProxyType({"run": cmd_run, "pull": cmd_pull, "models": cmd_models, "info": cmd_info})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,11 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 2
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(args.threads)
     try:
+        threads = getattr(args, "threads", None)
+        if threads is not None:
+            if threads < 1:
+                raise LowbitError(f"--threads must be >= 1, got {threads}")
+            import torch
+
+            torch.set_num_threads(threads)
         return COMMANDS[args.command](args)
     except LowbitError as e:
         print(f"lowbit: error: {e}", file=sys.stderr)

@@ -32,7 +32,7 @@ class GenerationResult:
     text: str
     prompt_tokens: int
     ttft_s: float  # prompt in → first token chosen
-    decode_s: float  # first token → last token
+    decode_s: float  # first token chosen → last token kept
     finish_reason: str  # "stop" (end token) | "length"
 
     @property
@@ -41,12 +41,20 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
-def sampled_tokens(model: Llama, prompt: list[int], cache: KVCache, sampler: Sampler) -> Iterator[int]:
+def _mask_padding(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Checkpoints often pad the embedding beyond the tokenizer (Qwen2.5: 151936 rows for 151665
+    tokens); ids past the tokenizer have no text, so they can never be chosen."""
+    if logits.shape[-1] > vocab:
+        logits[..., vocab:] = float("-inf")
+    return logits
+
+
+def sampled_tokens(model: Llama, prompt: list[int], cache: KVCache, sampler: Sampler, vocab: int) -> Iterator[int]:
     """Plain decoding: prefill (exact for 16+ tokens), then one fused-kernel step per token."""
     logits = model(torch.tensor([prompt]), cache, 0, last_only=True)[0, -1]
     pos = len(prompt)
     while True:
-        tok = sampler(logits)
+        tok = sampler(_mask_padding(logits, vocab))
         yield tok
         if pos >= cache.max_len:
             return
@@ -54,19 +62,24 @@ def sampled_tokens(model: Llama, prompt: list[int], cache: KVCache, sampler: Sam
         pos += 1
 
 
-def verified_greedy_tokens(model: Llama, prompt: list[int], cache: KVCache, block: int = VERIFY_BLOCK) -> Iterator[int]:
-    """The exact model's greedy tokens, drafted by the fast kernels and verified in blocks."""
-    nxt = int(model(torch.tensor([prompt]), cache, 0, last_only=True, exact=True)[0, -1].argmax())
+def verified_greedy_tokens(model: Llama, prompt: list[int], cache: KVCache, vocab: int, budget: int,
+                           stop_ids: frozenset[int], block: int = VERIFY_BLOCK) -> Iterator[int]:
+    """The exact model's greedy tokens, drafted by the fast kernels and verified in blocks.
+    Drafting stops at an end token or when `budget` tokens have been drafted in all."""
+    argmax = lambda logits: int(_mask_padding(logits, vocab).argmax())  # noqa: E731
+    nxt = argmax(model(torch.tensor([prompt]), cache, 0, last_only=True, exact=True)[0, -1])
     pos = len(prompt)  # the position `nxt` occupies
     yield nxt
     while pos < cache.max_len:
         drafts, t, p = [], nxt, pos
-        while len(drafts) < block - 1 and p + 1 < cache.max_len:
-            t = int(model(torch.tensor([[t]]), cache, p, exact=False)[0, -1].argmax())
+        left = budget - (pos - len(prompt)) - 1  # tokens still wanted after `nxt`
+        while len(drafts) < min(block - 1, left) and p + 1 < cache.max_len and t not in stop_ids:
+            t = argmax(model(torch.tensor([[t]]), cache, p, exact=False)[0, -1])
             drafts.append(t)
             p += 1
         seq = [nxt, *drafts]
-        exact = model(torch.tensor([seq]), cache, pos, exact=True)[0].argmax(-1).tolist()  # [len(seq)]
+        logits = _mask_padding(model(torch.tensor([seq]), cache, pos, exact=True)[0], vocab)  # [len(seq), V]
+        exact = logits.argmax(-1).tolist()
         for j, d in enumerate(drafts):
             if exact[j] != d:  # first disagreement: the exact token replaces the draft
                 nxt, pos = exact[j], pos + j + 1
@@ -99,13 +112,18 @@ def generate(model: Llama, tokenizer, prompt_ids: list[int], max_tokens: int, sa
     t0 = time.perf_counter()
     t_first = None
     finish = "length"
-    source = verified_greedy_tokens(model, prompt_ids, cache) if verify else sampled_tokens(model, prompt_ids, cache, sampler)
+    vocab = tokenizer.vocab_size
+    source = (verified_greedy_tokens(model, prompt_ids, cache, vocab, max_tokens, frozenset(tokenizer.eos_ids))
+              if verify else sampled_tokens(model, prompt_ids, cache, sampler, vocab))
+    t_last = None
     for tok in source:
+        now = time.perf_counter()
         if t_first is None:
-            t_first = time.perf_counter()
+            t_first = now
         if tok in tokenizer.eos_ids:
             finish = "stop"
             break
+        t_last = now
         out.append(tok)
         text = detok.push(tok)
         if text:
@@ -119,4 +137,5 @@ def generate(model: Llama, tokenizer, prompt_ids: list[int], max_tokens: int, sa
         emit(tail)
     t_end = time.perf_counter()
     t_first = t_first or t_end
-    return GenerationResult(out, "".join(pieces), len(prompt_ids), t_first - t0, t_end - t_first, finish)
+    # decode time ends at the last token kept: choosing an end token is not an output token
+    return GenerationResult(out, "".join(pieces), len(prompt_ids), t_first - t0, (t_last or t_first) - t_first, finish)

@@ -60,15 +60,21 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
             raise LowbitError(f"{path}: missing tensor {name}")
         return tensors[name]
 
-    def vector(name: str) -> torch.Tensor:
+    def vector(name: str, size: int | None = None) -> torch.Tensor:
         t = tensor(name)
+        if size is not None and int(t.n_elements) != size:
+            raise LowbitError(f"{path}: tensor {name} has {t.n_elements} elements, but the metadata implies {size}")
         return to_float_tensor(t.data, t.tensor_type, (int(t.n_elements),))
 
-    def matrix(name: str, spec: WeightSpec | None, rows: torch.Tensor | None = None):
+    def matrix(name: str, spec: WeightSpec | None, rows: torch.Tensor | None = None, shape: tuple[int, int] | None = None):
+        """shape: the (N, K) the config implies; a file that disagrees fails here, not mid-forward."""
         t = tensor(name)
         if len(t.shape) != 2:
             raise LowbitError(f"{path}: tensor {name} has shape {list(t.shape)}, expected a matrix")
         K, N = int(t.shape[0]), int(t.shape[1])
+        if shape is not None and (N, K) != shape:
+            raise LowbitError(f"{path}: tensor {name} is {N}x{K} (rows x cols), but the metadata implies "
+                              f"{shape[0]}x{shape[1]}")
         w = load_matrix(t.data, t.tensor_type, N, K, spec)
         return w if rows is None else w.rows(rows)
 
@@ -76,9 +82,10 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
     # Embedding and LM head keep their file precision unless a float layout was asked for: they are
     # ~20% of a small model's bytes but set the quality of every logit.
     head_spec = target if target is not None and not target.quantized else None
-    weights: dict[str, Any] = {"embed": matrix("token_embd.weight", head_spec), "norm": vector("output_norm.weight")}
+    weights: dict[str, Any] = {"embed": matrix("token_embd.weight", head_spec, None, (c.vocab_size, c.dim)),
+                               "norm": vector("output_norm.weight", c.dim)}
     if not c.tie_embeddings:
-        weights["output"] = matrix("output.weight", head_spec)
+        weights["output"] = matrix("output.weight", head_spec, None, (c.vocab_size, c.dim))
     if "rope_freqs.weight" in tensors:
         weights["rope_freqs"] = vector("rope_freqs.weight")
     permute = c.arch in ("llama", "mistral")  # qwen2 files keep HF's rotate-half order
@@ -86,18 +93,19 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
     k_rows = _gguf_to_hf_rows(c.n_kv_heads * c.head_dim, c.n_kv_heads) if permute else None
     for i in range(c.n_layers):
         p, b = f"layers.{i}.", f"blk.{i}."
-        weights[p + "attn_norm"] = vector(b + "attn_norm.weight")
-        weights[p + "ffn_norm"] = vector(b + "ffn_norm.weight")
-        weights[p + "wq"] = matrix(b + "attn_q.weight", target, q_rows)
-        weights[p + "wk"] = matrix(b + "attn_k.weight", target, k_rows)
-        weights[p + "wv"] = matrix(b + "attn_v.weight", target)
-        weights[p + "wo"] = matrix(b + "attn_output.weight", target)
-        weights[p + "w_gate"] = matrix(b + "ffn_gate.weight", target)
-        weights[p + "w_up"] = matrix(b + "ffn_up.weight", target)
-        weights[p + "w_down"] = matrix(b + "ffn_down.weight", target)
+        weights[p + "attn_norm"] = vector(b + "attn_norm.weight", c.dim)
+        weights[p + "ffn_norm"] = vector(b + "ffn_norm.weight", c.dim)
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        weights[p + "wq"] = matrix(b + "attn_q.weight", target, q_rows, (q_dim, c.dim))
+        weights[p + "wk"] = matrix(b + "attn_k.weight", target, k_rows, (kv_dim, c.dim))
+        weights[p + "wv"] = matrix(b + "attn_v.weight", target, None, (kv_dim, c.dim))
+        weights[p + "wo"] = matrix(b + "attn_output.weight", target, None, (c.dim, q_dim))
+        weights[p + "w_gate"] = matrix(b + "ffn_gate.weight", target, None, (c.hidden_dim, c.dim))
+        weights[p + "w_up"] = matrix(b + "ffn_up.weight", target, None, (c.hidden_dim, c.dim))
+        weights[p + "w_down"] = matrix(b + "ffn_down.weight", target, None, (c.dim, c.hidden_dim))
         for n, rows in (("q", q_rows), ("k", k_rows), ("v", None)):
             if f"{b}attn_{n}.bias" in tensors:
-                bias = vector(f"{b}attn_{n}.bias")
+                bias = vector(f"{b}attn_{n}.bias", q_dim if n == "q" else kv_dim)
                 weights[p + "b" + n] = bias if rows is None else bias[rows]
         if progress:
             progress(i + 1)

@@ -59,7 +59,10 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None) -
         from lowbit.runtime.safetensors_loader import load_hf_dir
 
         spec = spec or parse_weights(DEFAULT_HF_WEIGHTS)
-        tokenizer = Tokenizer.from_hf_dir(path)
+        try:
+            tokenizer = Tokenizer.from_hf_dir(path)
+        except ValueError as e:
+            raise LowbitError(f"{path}: {e}") from None
         n_layers = _hf_layers(path)
         update, close = _progress_bar(n_layers, f"loading {path.name}", progress)
         try:
@@ -84,8 +87,11 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None) -
         except ValueError as e:
             raise LowbitError(f"{path}: {e}") from None
         source, used = "gguf", weights
-    with torch.no_grad():
-        model = Llama(config, w).eval()
+    try:
+        with torch.no_grad():
+            model = Llama(config, w).eval()
+    except RuntimeError as e:  # e.g. a torch build whose int4 packing layout lowbit does not know
+        raise LowbitError(f"{path}: cannot build the model: {str(e).splitlines()[0]}") from None
     del w
     return LoadedModel(model, tokenizer, config, path, source, used, time.perf_counter() - t0)
 

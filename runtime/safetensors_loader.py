@@ -16,6 +16,7 @@ import dataclasses
 import json
 from contextlib import ExitStack
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable
 
 from safetensors import SafetensorError, safe_open
@@ -26,13 +27,13 @@ from lowbit.runtime.errors import LowbitError
 
 INDEX_NAME = "model.safetensors.index.json"
 # lowbit name → HF name inside `model.layers.{i}.`
-LAYER_MATRICES = {
+LAYER_MATRICES = MappingProxyType({
     "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
     "wo": "self_attn.o_proj.weight", "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
-}
-LAYER_VECTORS = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight"}
-LAYER_BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+})
+LAYER_VECTORS = MappingProxyType({"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight"})
+LAYER_BIASES = MappingProxyType({"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"})
 # Buffers some older checkpoints saved alongside the weights; recomputed from config, never read.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

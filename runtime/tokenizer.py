@@ -146,7 +146,7 @@ class Tokenizer:
                             **kwargs: Any) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template (tokenizer.chat_template); "
-                             "format the prompt yourself and use encode()")
+                             "format the prompt yourself (lowbit run --raw)")
         return self._template.render(messages, add_generation_prompt, **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,

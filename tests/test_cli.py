@@ -425,3 +425,26 @@ def test_hf_directory_runs_end_to_end(tiny_gguf, work, empty_models, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == tok.decode(new).rstrip("\n")
     assert STATS.search(r.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name, shape", [("blk.1.attn_q.weight", (DIM // 2, DIM)),
+                                         ("blk.0.ffn_down.weight", (DIM, HIDDEN // 2)),
+                                         ("blk.0.attn_norm.weight", (DIM // 2,))])
+def test_tensor_shape_disagreeing_with_metadata(name, shape, work, empty_models, tmp_path):
+    """A tensor whose shape contradicts the metadata fails at load with one line naming it, not
+    with an IndexError half-way through the first forward pass."""
+    tensors = tiny_tensors()
+    rng = np.random.default_rng(1)
+    arr = rng.normal(0, 0.1, shape).astype(np.float32)
+    tensors[name] = (quantize(arr, T.Q4_1), T.Q4_1) if len(shape) == 2 else (arr, None)
+    bad = write_tiny_gguf(tmp_path / "shape.gguf", tensors=tensors)
+    r = lowbit(["run", "--model", str(bad), "hi"], empty_models, work)
+    assert_one_line_error(r, "shape.gguf", name)
+
+
+def test_hf_directory_without_tokenizer(work, empty_models, tmp_path):
+    d = tmp_path / "no-tokenizer"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    r = lowbit(["run", "--model", str(d), "hi"], empty_models, work)
+    assert_one_line_error(r, "no-tokenizer", "tokenizer.json")

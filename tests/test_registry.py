@@ -14,6 +14,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import MappingProxyType
 from types import SimpleNamespace
 
 import pytest
@@ -208,7 +209,7 @@ def fake_pip(monkeypatch, cache):
         return subprocess.CompletedProcess(cmd, state["rc"], "", state["stderr"])
 
     monkeypatch.setattr(registry, "subprocess", SimpleNamespace(run=run))
-    monkeypatch.setitem(registry.ALIASES, FAKE.alias, FAKE)
+    monkeypatch.setattr(registry, "ALIASES", MappingProxyType({**registry.ALIASES, FAKE.alias: FAKE}))
     return state
 
 
