@@ -31,7 +31,7 @@ REQUANTIZED = {T.Q4_K: "int4-g32", T.Q5_K: "int8-g32", T.Q6_K: "int8-g32", T.Q5_
 
 def reference(data: np.ndarray, qtype: T, N: int, K: int) -> torch.Tensor:
     """gguf's own dequantization, fp32 [N, K]."""
-    return torch.from_numpy(np.asarray(quants.dequantize(np.asarray(data), qtype), dtype=np.float32)).reshape(N, K)
+    return torch.from_numpy(np.array(quants.dequantize(np.asarray(data), qtype), dtype=np.float32)).reshape(N, K)
 
 
 def matrix_of(t) -> tuple[int, int]:
