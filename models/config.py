@@ -62,8 +62,11 @@ class LlamaConfig:
         dim, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
         head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or dim // n_heads)
         scaling = None
-        if meta.get(f"{arch}.rope.scaling.type") == "linear":
+        kind = meta.get(f"{arch}.rope.scaling.type")
+        if kind == "linear":
             scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
+        elif kind not in (None, "none"):  # yarn & co. would silently give wrong long-context logits
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear; llama3 via rope_freqs)")
         return cls(
             arch=arch, dim=dim, n_layers=int(get("block_count")), n_heads=n_heads,
             n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
