@@ -1,8 +1,9 @@
 """The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, SmolLM2): RMSNorm, RoPE, GQA
 attention, SwiGLU — with every projection a QuantLinear, so weights stay int4/int8.
 
-Precision: the residual stream, norms, rotary and attention run in fp32; the weight-only matmuls
-take their kernel's activation dtype (bf16 on CPU) and return fp32.
+Precision: the residual stream, norms, rotary and attention run in fp32. The weight-only matmuls
+return fp32: exact for 16+ rows (prefill), through bf16 fused kernels for fewer (decode) unless
+`exact=True` is passed (see kernels/int4_mm.py and runtime/generate.py's verified greedy).
 """
 
 from __future__ import annotations
