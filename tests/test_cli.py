@@ -102,7 +102,8 @@ def raw_zeros(n_rows: int, k: int, qt: T) -> tuple[np.ndarray, T]:
     return np.zeros((n_rows, k // block * size), np.uint8), qt
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", tensors: dict | None = None, hidden: int = HIDDEN) -> Path:
+def write_tiny_gguf(path: Path, arch: str = "llama", tensors: dict | None = None, hidden: int = HIDDEN,
+                    extra=None) -> Path:
     """A complete small model (dim 64, 2 layers, 4/2 heads, ffn 128, 266-token byte-level BPE
     vocabulary with merges, ChatML template, tied embeddings)."""
     w = GGUFWriter(path, arch)
@@ -125,6 +126,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", tensors: dict | None = None
     w.add_eos_token_id(EOS)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+    if extra is not None:  # more metadata, for the test at hand
+        extra(w)
     for name, (arr, qt) in (tiny_tensors(hidden) if tensors is None else tensors).items():
         w.add_tensor(name, arr, raw_dtype=qt)
     w.write_header_to_file()
@@ -448,3 +451,17 @@ def test_hf_directory_without_tokenizer(work, empty_models, tmp_path):
     (d / "config.json").write_text('{"model_type": "llama"}')
     r = lowbit(["run", "--model", str(d), "hi"], empty_models, work)
     assert_one_line_error(r, "no-tokenizer", "tokenizer.json")
+
+
+def test_unsupported_rope_scaling_fails_at_load(work, empty_models, tmp_path):
+    """YaRN (or any scaling lowbit does not implement) would silently give wrong long-context
+    logits; it must be refused with one line instead."""
+    from gguf import RopeScalingType
+
+    def yarn(w):
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+
+    bad = write_tiny_gguf(tmp_path / "yarn.gguf", extra=yarn)
+    r = lowbit(["run", "--model", str(bad), "hi"], empty_models, work)
+    assert_one_line_error(r, "yarn.gguf", "rope scaling")
