@@ -126,11 +126,18 @@ def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.
     return y[:, : w.out_features] if Np != w.out_features else y
 
 
-def int4_mm_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                group_size: int) -> torch.Tensor:
-    """The spec, in plain fp32 torch: dequantize then matmul. codes [N, Kp], scales/mins [N, G]."""
+def int4_dequant_ref(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                     group_size: int) -> torch.Tensor:
+    """The spec of the int4 layouts: codes uint8 [N, Kp], scales/mins [N, G] → fp32 [N, Kp],
+    computed in GGUF's order (d * (u - 8), d * u + m) so Q4_0/Q4_1 relayouts compare bit-exactly."""
     N, Kp = codes.shape
     u = codes.view(N, Kp // group_size, group_size).float()  # [N, G, g]
-    d = scales.float().unsqueeze(-1)
+    d = scales.float().unsqueeze(-1)  # [N, G, 1]
     w = d * (u - 8.0) if mins is None else d * u + mins.float().unsqueeze(-1)
-    return x.float() @ w.reshape(N, Kp)[:, : x.shape[1]].t()
+    return w.reshape(N, Kp)
+
+
+def int4_mm_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                group_size: int) -> torch.Tensor:
+    """The matmul's spec in plain fp32 torch: dequantize then multiply."""
+    return x.float() @ int4_dequant_ref(codes, scales, mins, group_size)[:, : x.shape[1]].t()

@@ -34,14 +34,12 @@ class Int8Packed:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (embedding lookup), fp32 [len(ids), K]."""
-        q = self.qweight[:, ids, :]  # [G, T, g]
-        w = q.float() * self.scales[ids].t().float().unsqueeze(-1)  # [G, T, g]
-        return w.permute(1, 0, 2).reshape(len(ids), -1)[:, : self.in_features]
+        return self.dequantize(ids)[:, : self.in_features]
 
-    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Exact fp32 [n, Kp] of rows start:stop."""
-        q = self.qweight[:, start:stop, :]  # [G, n, g]
-        w = q.float() * self.scales[start:stop].t().float().unsqueeze(-1)
+    def dequantize(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """Exact fp32 [n, Kp] of some rows (an index tensor or a slice)."""
+        q = self.qweight[:, rows, :]  # [G, n, g]
+        w = q.float() * self.scales[rows].t().float().unsqueeze(-1)  # [G, n, g]
         return w.permute(1, 0, 2).reshape(q.shape[1], -1)
 
 
@@ -69,7 +67,7 @@ def int8_mm(x: torch.Tensor, w: Int8Packed, exact: bool | None = None) -> torch.
     if exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS:
         x = x.float()
         step = max(1, _TILE_ELEMS // (G * g))
-        return torch.cat([F.linear(x, w.dequantize(i, i + step)) for i in range(0, N, step)], dim=-1)
+        return torch.cat([F.linear(x, w.dequantize(slice(i, i + step))) for i in range(0, N, step)], dim=-1)
     x = x.to(torch.bfloat16)
     if G == 1:
         return torch._weight_int8pack_mm(x.contiguous(), w.qweight[0], w.scales_t[0])
@@ -80,9 +78,14 @@ def int8_mm(x: torch.Tensor, w: Int8Packed, exact: bool | None = None) -> torch.
     return y
 
 
-def int8_mm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The spec in fp32: qweight int8 [N, Kp], scales [N, G]."""
+def int8_dequant_ref(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The spec of the int8 layouts: qweight int8 [N, Kp], scales [N, G] → fp32 [N, Kp] (d * q,
+    as GGUF's Q8_0 reference computes it)."""
     N, Kp = qweight.shape
     G = scales.shape[1]
-    w = scales.float().unsqueeze(-1) * qweight.view(N, G, Kp // G).float()  # [N, G, g]
-    return x.float() @ w.reshape(N, Kp)[:, : x.shape[1]].t()
+    return (scales.float().unsqueeze(-1) * qweight.view(N, G, Kp // G).float()).reshape(N, Kp)  # via [N, G, g]
+
+
+def int8_mm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The matmul's spec in fp32: dequantize then multiply."""
+    return x.float() @ int8_dequant_ref(qweight, scales)[:, : x.shape[1]].t()

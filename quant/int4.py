@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lowbit.kernels.int4_mm import int4_dequant_ref
 from lowbit.quant.spec import WeightSpec
 
 
@@ -47,15 +48,7 @@ class Int4Weight:
     def dequantize(self) -> torch.Tensor:
         """Reference dequantization, fp32 [N, K]. Computes in the order GGUF's reference does
         (scale * u + min, scale * (u - 8)) so lossless relayouts compare bit-exactly."""
-        N = self.qweight.shape[0]
-        g = self.spec.group_size
-        u = self.codes().view(N, -1, g)  # [N, G, g]
-        d = self.scales.float().unsqueeze(-1)  # [N, G, 1]
-        if self.mins is None:
-            w = d * (u.to(torch.int8) - 8).float()
-        else:
-            w = d * u.float() + self.mins.float().unsqueeze(-1)
-        return w.reshape(N, -1)[:, : self.in_features]
+        return int4_dequant_ref(self.codes(), self.scales, self.mins, self.spec.group_size)[:, : self.in_features]
 
     def rows(self, index: torch.Tensor) -> "Int4Weight":
         """The same layout restricted to some output rows (used to un-permute GGUF Q/K rows)."""

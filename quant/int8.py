@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.kernels.int8_mm import int8_dequant_ref
 from lowbit.quant.spec import WeightSpec
 
 
@@ -34,10 +35,7 @@ class Int8Weight:
 
     def dequantize(self) -> torch.Tensor:
         """Reference dequantization, fp32 [N, K], computed as GGUF's reference does (d * q)."""
-        N, Kp = self.qweight.shape
-        G = self.scales.shape[1]
-        w = self.scales.float().unsqueeze(-1) * self.qweight.view(N, G, Kp // G).float()  # [N, G, g]
-        return w.reshape(N, Kp)[:, : self.in_features]
+        return int8_dequant_ref(self.qweight, self.scales)[:, : self.in_features]
 
     def rows(self, index: torch.Tensor) -> "Int8Weight":
         return Int8Weight(self.spec, self.in_features, self.qweight[index].contiguous(),

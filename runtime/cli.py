@@ -143,9 +143,10 @@ COMMANDS = MappingProxyType({"run": cmd_run, "pull": cmd_pull, "models": cmd_mod
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command is None:
-        build_parser().print_help()
+        parser.print_help()
         return 2
     try:
         threads = getattr(args, "threads", None)
