@@ -1,0 +1,134 @@
+"""The Triton weight-only matmul (kernels/wq_mm.py) against its spec, for every lowbit layout.
+
+Without CUDA the kernel runs on the CPU under Triton's interpreter (tests/conftest.py); the `gpu`
+cases run the same checks compiled on CUDA. The spec `wq_mm_ref` is itself tied to the loader's
+layouts (quant/int4.py, quant/int8.py), whose dequantization is checked bit-exactly against
+gguf.quants.dequantize in tests/test_ggml_relayout.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.kernels.triton_import import interpreting
+from lowbit.kernels.wq_mm import (
+    LaunchConfig,
+    choose_config,
+    wq_dequant_ref,
+    wq_mm,
+    wq_mm_ref,
+    wq_pack_int4,
+    wq_pack_int8,
+    wq_rows,
+)
+from lowbit.quant import Int4Weight, parse_weights, quantize_weight
+
+LAYOUTS = ["int4-g32", "int4-g64", "int4-g128", "int4-sym-g32", "int4-sym-g64", "int4-sym-g128",
+           "int8-g32", "int8-g64", "int8-g128", "int8"]
+
+# (atol relative to max |y|, rtol) per activation dtype. The kernel multiplies the activations by
+# exact integer codes and accumulates in fp32, so what is left is the output's rounding to its
+# dtype: one ulp — 2^-10 (fp16), 2^-7 (bf16; Triton's interpreter truncates fp32 -> bf16, which
+# costs up to a whole ulp) — plus fp32 accumulation-order noise over K <= 600 terms, measured at
+# <= 1.2e-6 of max |y| and bounded here by 1e-5. fp32 runs the dot in IEEE fp32 (the exact path).
+TOL = {
+    torch.float16: (1e-3, 2**-10),
+    torch.bfloat16: (8e-3, 2**-7),
+    torch.float32: (1e-5, 1e-5),
+}
+
+DEVICES = [
+    pytest.param("cpu", id="interp"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+
+
+def _device(name: str) -> torch.device:
+    if name == "cpu" and not interpreting():
+        pytest.skip("CPU runs of Triton kernels need TRITON_INTERPRET=1")
+    return torch.device(name)
+
+
+def _packed(layout: str, N: int, K: int, seed: int = 0):
+    torch.manual_seed(seed)
+    w = quantize_weight(torch.randn(N, K), parse_weights(layout))
+    if isinstance(w, Int4Weight):
+        return w, wq_pack_int4(w.codes(), w.scales, w.mins, w.spec.group_size, K)
+    return w, wq_pack_int8(w.qweight, w.scales, K)
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    assert y.dtype == dtype and y.shape == ref.shape
+    torch.testing.assert_close(y.float().cpu(), ref.cpu(), atol=atol * float(ref.abs().max()), rtol=rtol)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_spec_is_the_loader_layout(layout):
+    """The GPU layout holds the same weights as the loader's layout, bit for bit, with K = 200
+    leaving a partial last group for every group size (200 = 6x32 + 8 = 3x64 + 8 = 128 + 72)."""
+    w, p = _packed(layout, 37, 200)
+    assert torch.equal(wq_dequant_ref(p), w.dequantize())
+    ids = torch.tensor([0, 36, 5, 5])
+    assert torch.equal(wq_rows(p, ids), w.dequantize()[ids])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["f16", "bf16", "f32"])
+@pytest.mark.parametrize("M,N", [(1, 576), (3, 1000), (17, 1)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kernel_matches_ref(layout, M, N, dtype, device):
+    """M = 1 and 3 take the split-K decode launch, 17 the tiled prefill launch; K = 200 is neither
+    a multiple of the K block nor of any group."""
+    dev = _device(device)
+    _, p = _packed(layout, N, 200)
+    x = torch.randn(M, 200).to(dtype)
+    y = wq_mm(x.to(dev), p.to(dev))
+    _check(y, wq_mm_ref(x, p), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["int4-g32", "int4-sym-g128", "int8-g64", "int8"])
+def test_split_k_and_tile_edges(layout, device):
+    """Forced launch shapes: split-K with atomics over more splits than some columns' tiles need,
+    a prefill tile grid with a partial last row tile and tile-group ordering (GROUP_M = 2 over 3 row
+    tiles), and per-channel K = 96 (not a multiple of BLOCK_K = 128)."""
+    dev = _device(device)
+    _, p = _packed(layout, 100, 96 if layout == "int8" else 256)
+    K = p.in_features
+    for M, cfg in [(5, LaunchConfig(16, 32, 32, 3, 1, 4, 2)), (130, LaunchConfig(64, 64, 32, 1, 2, 4, 2))]:
+        x = torch.randn(M, K, dtype=torch.float16)
+        _check(wq_mm(x.to(dev), p.to(dev), cfg), wq_mm_ref(x, p), torch.float16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_rows_and_empty_batch(device):
+    """x may be a row-strided view (e.g. a slice of a wider activation buffer); M = 0 is legal."""
+    dev = _device(device)
+    _, p = _packed("int4-g64", 64, 128)
+    wide = torch.randn(4, 300, dtype=torch.float16)
+    x = wide[:, 50:178]  # [4, 128] with row stride 300
+    _check(wq_mm(x.to(dev), p.to(dev)), wq_mm_ref(x, p), torch.float16)
+    assert wq_mm(torch.empty(0, 128, dtype=torch.float16, device=dev), p.to(dev)).shape == (0, 64)
+
+
+def test_decode_config_streams_weights_once():
+    """Decode launches put all M <= 16 rows in one row tile (each weight read once) and split K
+    so the grid covers ~2 programs per SM."""
+    _, p = _packed("int4-g128", 4096, 512)
+    cfg = choose_config(16, p, torch.device("cpu"))
+    assert cfg.block_m == 16 and cfg.split_k >= 1
+    assert choose_config(17, p, torch.device("cpu")).split_k == 1
+
+
+def test_bad_inputs_are_clear_errors():
+    _, p = _packed("int4-g32", 8, 64)
+    with pytest.raises(ValueError, match="expected \\[M, 64\\]"):
+        wq_mm(torch.randn(2, 63, dtype=torch.float16), p)
+    with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
+        wq_mm(torch.randn(2, 64).to(torch.float64), p)
+    with pytest.raises(ValueError, match="groups of 32"):
+        wq_pack_int4(torch.zeros(8, 48, dtype=torch.uint8), torch.zeros(8, 1, dtype=torch.half), None, 32, 48)
+    with pytest.raises(ValueError, match="must divide the group size"):
+        wq_mm(torch.randn(2, 64, dtype=torch.float16), p, LaunchConfig(16, 32, 64, 1, 1, 4, 2))
