@@ -1,9 +1,14 @@
 """The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, SmolLM2): RMSNorm, RoPE, GQA
 attention, SwiGLU — with every projection a QuantLinear, so weights stay int4/int8.
 
-Precision: the residual stream, norms, rotary and attention run in fp32. The weight-only matmuls
-return fp32: exact for 16+ rows (prefill), through bf16 fused kernels for fewer (decode) unless
-`exact=True` is passed (see kernels/int4_mm.py and runtime/generate.py's verified greedy).
+The kernels come from the model's Backend (models/backend.py), chosen once from its device.
+Precision: the residual stream is fp32 (its add is fused into the next norm), attention and the
+cache are fp32. Between kernels, activations are fp32 on CPU and fp16/bf16 on CUDA. The
+weight-only matmuls on CPU are exact for 16+ rows (prefill) and go through bf16 fused kernels for
+fewer (decode); `exact=True` forces exact fp32 everywhere, on CUDA too (see kernels/int4_mm.py,
+kernels/wq_mm.py and runtime/generate.py's verified greedy).
+
+Activations run token-major, [M, dim] with M = B * T, which is the shape every kernel takes.
 """
 
 from __future__ import annotations
@@ -14,53 +19,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowbit.models.backend import Backend, torch_backend
 from lowbit.models.config import LlamaConfig
-from lowbit.models.rope import apply_rope, inv_frequencies, rope_tables
+from lowbit.models.rope import inv_frequencies, rope_tables
 from lowbit.quant.linear import QuantEmbedding, QuantLinear, fuse_rows
 
 
 @dataclass
 class KVCache:
-    """Contiguous fp32 cache for one batch of sequences that advance together (`lowbit run`,
-    evaluation). The paged, quantized cache is the engine's."""
+    """Contiguous fp32 cache for one batch of sequences (`lowbit run`, evaluation, CUDA-graph
+    decode). The paged, quantized cache is the engine's."""
 
     k: torch.Tensor  # [n_layers, B, Hkv, S, D]
     v: torch.Tensor  # [n_layers, B, Hkv, S, D]
 
     @classmethod
-    def empty(cls, config: LlamaConfig, batch: int, max_len: int) -> "KVCache":
+    def empty(cls, config: LlamaConfig, batch: int, max_len: int, device: torch.device | str = "cpu") -> "KVCache":
         shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
-        return cls(torch.zeros(shape), torch.zeros(shape))
+        return cls(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
 
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float):
-        super().__init__()
-        self.register_buffer("weight", weight.float(), persistent=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+    def rows(self, batch: int) -> "KVCache":
+        """The first `batch` sequences' slots (views: writes land in this cache)."""
+        return KVCache(self.k[:, :batch], self.v[:, :batch])
 
 
 class Projections(nn.Module):
     """Several linears reading the same input (QKV, gate+up): one fused kernel call when their
-    layouts match, separate calls otherwise. Returns the outputs split back apart."""
+    layouts match, separate calls otherwise. Returns the outputs split back apart (views of one
+    [M, sum N] buffer when fused)."""
 
-    def __init__(self, weights, biases):
+    def __init__(self, weights, biases, backend: Backend):
         super().__init__()
         self.sizes = [w.shape[0] for w in weights]
         fused = fuse_rows(weights)
         if fused is not None:
             bias = None if all(b is None for b in biases) else torch.cat(
                 [b if b is not None else torch.zeros(n) for b, n in zip(biases, self.sizes)])
-            self.parts = nn.ModuleList([QuantLinear(fused, bias)])
+            self.parts = nn.ModuleList([QuantLinear(fused, backend.linear, bias)])
         else:
-            self.parts = nn.ModuleList([QuantLinear(w, b) for w, b in zip(weights, biases)])
+            self.parts = nn.ModuleList([QuantLinear(w, backend.linear, b) for w, b in zip(weights, biases)])
 
     def forward(self, x: torch.Tensor, exact: bool | None) -> list[torch.Tensor]:
         if len(self.parts) == 1:
@@ -69,83 +70,130 @@ class Projections(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig, w: dict, prefix: str):
+    def __init__(self, config: LlamaConfig, w: dict, prefix: str, backend: Backend):
         super().__init__()
         c = config
         self.c = c
-        self.attn_norm = RMSNorm(w[prefix + "attn_norm"], c.norm_eps)
-        self.ffn_norm = RMSNorm(w[prefix + "ffn_norm"], c.norm_eps)
+        self.ops = backend
+        self.register_buffer("attn_norm", w[prefix + "attn_norm"].float().to(backend.device), persistent=False)
+        self.register_buffer("ffn_norm", w[prefix + "ffn_norm"].float().to(backend.device), persistent=False)
         self.qkv = Projections([w[prefix + n] for n in ("wq", "wk", "wv")],
-                               [w.get(prefix + n) for n in ("bq", "bk", "bv")])
-        self.wo = QuantLinear(w[prefix + "wo"])
-        self.gate_up = Projections([w[prefix + "w_gate"], w[prefix + "w_up"]], [None, None])
-        self.w_down = QuantLinear(w[prefix + "w_down"])
+                               [w.get(prefix + n) for n in ("bq", "bk", "bv")], backend)
+        self.wo = QuantLinear(w[prefix + "wo"], backend.linear)
+        self.gate_up = Projections([w[prefix + "w_gate"], w[prefix + "w_up"]], [None, None], backend)
+        self.w_down = QuantLinear(w[prefix + "w_down"], backend.linear)
 
-    def forward(self, x, layer: int, cos, sin, cache: KVCache, start: int, mask, exact: bool | None) -> torch.Tensor:
-        c = self.c
-        B, T, _ = x.shape
-        q, k, v = self.qkv(self.attn_norm(x), exact)
+    def forward(self, delta, residual, layer: int, cos, sin, cache: KVCache, start, mask, exact: bool | None,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """delta: the previous block's output [M, dim] (the embeddings for layer 0), not yet added to
+        the fp32 residual [M, dim] (None for layer 0). Returns (this block's output, residual)."""
+        c, ops = self.c, self.ops
+        B = cache.k.shape[1]
+        M = delta.shape[0]
+        T = M // B
+        h, residual = ops.add_rms_norm(delta, residual, self.attn_norm, c.norm_eps, dtype)
+        q, k, v = self.qkv(h, exact)
+        q, k = ops.rotary(q.view(M, c.n_heads, c.head_dim), k.view(M, c.n_kv_heads, c.head_dim), cos, sin)
         q = q.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.k[layer, :, :, start:start + T] = k
-        cache.v[layer, :, :, start:start + T] = v
-        keys = cache.k[layer, :, :, : start + T]  # [B, Hkv, S, D]
-        values = cache.v[layer, :, :, : start + T]
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1,
+        if isinstance(start, int):
+            cache.k[layer, :, :, start:start + T] = k
+            cache.v[layer, :, :, start:start + T] = v
+            keys = cache.k[layer, :, :, : start + T]  # [B, Hkv, S, D]
+            values = cache.v[layer, :, :, : start + T]
+        else:  # one token per sequence at its own position `start[b]`: static shapes (CUDA graphs)
+            rows = torch.arange(B, device=start.device)
+            cache.k[layer, rows, :, start] = k[:, :, 0].to(cache.k.dtype)  # [B, Hkv, D] into [B, Hkv, S, D]
+            cache.v[layer, rows, :, start] = v[:, :, 0].to(cache.v.dtype)
+            keys, values = cache.k[layer], cache.v[layer]  # [B, Hkv, S, D]: whole cache, masked
+        attn = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask,
+                                              is_causal=mask is None and T > 1,
                                               enable_gqa=c.n_heads != c.n_kv_heads)
-        x = x + self.wo(attn.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim), exact)  # [B, T, H*D]
-        gate, up = self.gate_up(self.ffn_norm(x), exact)
-        return x + self.w_down(F.silu(gate) * up, exact)
+        o = self.wo(attn.transpose(1, 2).reshape(M, c.n_heads * c.head_dim).to(dtype), exact)  # [M, H*D]
+        h, residual = ops.add_rms_norm(o, residual, self.ffn_norm, c.norm_eps, dtype)
+        gate, up = self.gate_up(h, exact)
+        return self.w_down(ops.silu_mul(gate, up), exact), residual
 
 
 class Llama(nn.Module):
-    """Built from a config and a dict of weight layouts (names as runtime/gguf_loader.py gives)."""
+    """Built from a config and a dict of weight layouts (names as runtime/gguf_loader.py gives),
+    on the backend's device."""
 
-    def __init__(self, config: LlamaConfig, weights: dict):
+    def __init__(self, config: LlamaConfig, weights: dict, backend: Backend | None = None):
         super().__init__()
+        backend = backend or torch_backend()
         self.config = config
-        self.embed = QuantEmbedding(weights["embed"])
-        self.layers = nn.ModuleList(Block(config, weights, f"layers.{i}.") for i in range(config.n_layers))
-        self.norm = RMSNorm(weights["norm"], config.norm_eps)
+        self.backend = backend
+        self.embed = QuantEmbedding(weights["embed"], backend.linear)
+        self.layers = nn.ModuleList(Block(config, weights, f"layers.{i}.", backend) for i in range(config.n_layers))
+        self.register_buffer("norm", weights["norm"].float().to(backend.device), persistent=False)
         if "output" in weights:
-            self.output = QuantLinear(weights["output"])
-        else:
-            # Tied: the LM head reads the embedding table itself when its layout has a kernel
-            # (int8 tables are group-major and serve both); an int4 table gets a packed copy.
-            shared = self.embed.w if not hasattr(self.embed.w, "codes") else weights["embed"]
-            self.output = QuantLinear(shared, spec_name=weights["embed"].spec.name)
-        self.register_buffer("inv_freq", inv_frequencies(config, weights.get("rope_freqs")), persistent=False)
+            self.output = QuantLinear(weights["output"], backend.linear)
+        elif backend.linear.shares_head(self.embed.w):
+            self.output = QuantLinear(self.embed.w, backend.linear, spec_name=weights["embed"].spec.name, packed=True)
+        else:  # tied, but the table's lookup form has no matmul kernel (int4 on CPU): a packed copy
+            self.output = QuantLinear(weights["embed"], backend.linear)
+        self.register_buffer("inv_freq", inv_frequencies(config, weights.get("rope_freqs")).to(backend.device),
+                             persistent=False)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int, last_only: bool = False,
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int | torch.Tensor, last_only: bool = False,
                 exact: bool | None = None) -> torch.Tensor:
         """tokens int [B, T] at positions start..start+T-1 → logits fp32 [B, T, V] ([B, 1, V] if last_only).
 
-        exact: True runs every matmul in fp32 on exactly dequantized weights, False through the fused
-        bf16 kernels; None (default) lets each matmul choose by its row count — so prefill of 16+
-        tokens is exact and single-token decode is fast."""
+        start: an int (all sequences at the same position), or int [B] positions for one token per
+        sequence (T = 1) — the static-shape form CUDA graphs capture (see `decode`).
+        exact: True runs every matmul in fp32 on exactly dequantized weights, False through the fast
+        kernels; None (default) lets each matmul choose — on CPU, prefill of 16+ tokens is exact and
+        single-token decode is fast."""
         B, T = tokens.shape
-        if start + T > cache.max_len:
-            raise ValueError(f"sequence of {start + T} tokens exceeds the cache ({cache.max_len})")
-        cos, sin = rope_tables(self.inv_freq, torch.arange(start, start + T))
-        mask = self._mask(T, start)
-        x = self.embed(tokens)  # [B, T, dim]
+        dtype = torch.float32 if exact else self.backend.dtype
+        if isinstance(start, int):
+            if start + T > cache.max_len:
+                raise ValueError(f"sequence of {start + T} tokens exceeds the cache ({cache.max_len})")
+            cos, sin = rope_tables(self.inv_freq, torch.arange(start, start + T, device=self.device))  # [T, D]
+            cos, sin = cos.repeat(B, 1), sin.repeat(B, 1)  # [B*T, D], row b*T + t
+        else:
+            if T != 1:
+                raise ValueError("per-sequence positions take one token per sequence")
+            cos, sin = rope_tables(self.inv_freq, start)  # [B, D]
+        mask = self._mask(T, start, cache.max_len)
+        delta, residual = self.embed(tokens.reshape(-1)).to(dtype), None  # [B*T, dim]
         for i, layer in enumerate(self.layers):
-            x = layer(x, i, cos, sin, cache, start, mask, exact)
+            delta, residual = layer(delta, residual, i, cos, sin, cache, start, mask, exact, dtype)
         if last_only:
-            x = x[:, -1:]
-        return self.output(self.norm(x), exact)
+            delta = delta.view(B, T, -1)[:, -1].contiguous()  # [B, dim]
+            residual = residual.view(B, T, -1)[:, -1].contiguous()
+            T = 1
+        h, _ = self.backend.add_rms_norm(delta, residual, self.norm, self.config.norm_eps, dtype)
+        return self.output(h, exact, torch.float32).view(B, T, -1)  # fp32 logits: no fp16 rounding
 
-    def _mask(self, T: int, start: int) -> torch.Tensor | None:
-        """bool [T, S] (True = attend), or None when plain causal attention is exact."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token per sequence, each at its own position: tokens, positions int [B] → logits
+        fp32 [B, V]. Shapes do not depend on the positions, so a CUDA graph can replay it."""
+        return self(tokens[:, None], cache, positions)[:, 0]
+
+    def _mask(self, T: int, start: int | torch.Tensor, S: int) -> torch.Tensor | None:
+        """bool (True = attend) [T, start + T], or [B, 1, 1, S] for per-sequence positions; None when
+        plain causal attention is exact."""
         w = self.config.sliding_window
+        if not isinstance(start, int):
+            k_pos = torch.arange(S, device=start.device)[None, :]
+            q_pos = start[:, None]
+            mask = k_pos <= q_pos  # [B, S]
+            if w is not None:
+                mask &= k_pos > q_pos - w
+            return mask[:, None, None, :]  # [B, 1, 1, S]
         if T == 1 and (w is None or start < w):
             return None  # one new token sees the whole (unmasked) prefix
         if start == 0 and (w is None or T <= w):
             return None
-        q_pos = torch.arange(start, start + T)[:, None]
-        k_pos = torch.arange(start + T)[None, :]
+        q_pos = torch.arange(start, start + T, device=self.device)[:, None]
+        k_pos = torch.arange(start + T, device=self.device)[None, :]
         mask = k_pos <= q_pos
         if w is not None:
             mask &= k_pos > q_pos - w

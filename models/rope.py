@@ -1,5 +1,5 @@
-"""Rotary position embedding, rotate-half convention (HF's). GGUF llama files are un-permuted at
-load time to this convention, so there is one rotary code path."""
+"""Rotary position embedding tables, rotate-half convention (HF's). GGUF llama files are un-permuted
+at load time to this convention, so there is one rotary code path (kernels/rotary.py applies it)."""
 
 from __future__ import annotations
 
@@ -38,10 +38,3 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.
     angles = positions.double()[:, None] * inv_freq.double()[None, :]  # [T, D/2]
     angles = torch.cat((angles, angles), dim=-1)  # [T, D]
     return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D], cos/sin [T, D] → rotated x (rotate-half: pairs (i, i + D/2))."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

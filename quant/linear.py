@@ -1,33 +1,108 @@
 """QuantLinear: a linear layer whose weight stays in its int4/int8 layout, and the embedding table.
 
-Each layout is turned once, at construction, into the form its kernel reads (kernels/), and only
+Each layout is turned once, at construction, into the form its backend's kernel reads, and only
 that form is kept: no full-precision shadow copy of a quantized weight ever exists. Every tensor
 is also registered as a buffer so `model.buffers()` is the honest count of bytes held.
+
+Two sets of kernels (`LinearKernels`): torch's CPU kernels (kernels/int4_mm.py, int8_mm.py) and
+the Triton kernel for CUDA (kernels/wq_mm.py). The model picks one set per model
+(models/backend.py); layers never test the device themselves.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import nn
 
-from lowbit.kernels.int4_mm import int4_mm, int4_pack
+from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack
 from lowbit.kernels.int8_mm import Int8Packed, int8_mm, int8_pack
+from lowbit.kernels.wq_mm import wq_mm, wq_pack_int4, wq_pack_int8, wq_rows
 from lowbit.quant import FloatWeight, Int4Weight, Int8Weight, Weight
+
+
+@dataclass(frozen=True)
+class LinearKernels:
+    """How one backend holds and multiplies weights.
+
+    pack(weight) → the packed form; matmul(x [M, K], packed, exact, out_dtype) → y [M, N] in
+    out_dtype (None: x's dtype);
+    pack_embedding / rows: the embedding table's form and fp32 rows of it; shares_head(packed):
+    whether the tied LM head can multiply by the embedding's packed form directly."""
+
+    pack: Callable
+    matmul: Callable
+    pack_embedding: Callable
+    rows: Callable
+    shares_head: Callable
+
+
+def _cpu_pack(weight: Weight):
+    if isinstance(weight, Int4Weight):
+        return int4_pack(weight.codes(), weight.scales, weight.mins, weight.spec.group_size, weight.in_features)
+    if isinstance(weight, Int8Weight):
+        return int8_pack(weight.qweight, weight.scales, weight.in_features)
+    return weight
+
+
+def _cpu_matmul(x: torch.Tensor, w, exact: bool | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if isinstance(w, FloatWeight):
+        y = torch.nn.functional.linear(x.to(w.weight.dtype), w.weight)
+    elif isinstance(w, Int8Packed):
+        y = int8_mm(x, w, exact)
+    else:
+        y = int4_mm(x, w, exact)
+    return y.to(out_dtype or x.dtype)
+
+
+def _cpu_pack_embedding(weight: Weight):
+    # int8 tables are kept group-major and serve both the lookup and the tied head; an int4 table
+    # stays in its plain layout for lookups (the head gets a packed copy).
+    return int8_pack(weight.qweight, weight.scales, weight.in_features) if isinstance(weight, Int8Weight) else weight
+
+
+def _cpu_rows(w, ids: torch.Tensor) -> torch.Tensor:
+    if isinstance(w, Int8Packed):
+        return w.rows(ids)
+    if isinstance(w, FloatWeight):
+        return w.weight[ids].float()
+    return w.rows(ids).dequantize()  # Int4Weight: dequantize just these rows
+
+
+CPU_KERNELS = LinearKernels(_cpu_pack, _cpu_matmul, _cpu_pack_embedding, _cpu_rows,
+                            lambda w: isinstance(w, (Int8Packed, Int4Packed, FloatWeight)))
+
+
+def triton_kernels(device: torch.device) -> LinearKernels:
+    """The Triton weight-only kernel for every int4/int8 layout; float weights through torch."""
+
+    def pack(weight: Weight):
+        if isinstance(weight, Int4Weight):
+            w = wq_pack_int4(weight.codes(), weight.scales, weight.mins, weight.spec.group_size, weight.in_features)
+        elif isinstance(weight, Int8Weight):
+            w = wq_pack_int8(weight.qweight, weight.scales, weight.in_features)
+        else:
+            return FloatWeight(weight.spec, weight.weight.to(device))
+        return w.to(device)
+
+    def matmul(x: torch.Tensor, w, exact: bool | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        xin = x.float() if exact else x  # exact: the kernel's IEEE fp32 path
+        if isinstance(w, FloatWeight):
+            return torch.nn.functional.linear(xin.to(w.weight.dtype), w.weight).to(out_dtype or xin.dtype)
+        return wq_mm(xin, w, out_dtype=out_dtype)
+
+    def rows(w, ids: torch.Tensor) -> torch.Tensor:
+        return w.weight[ids].float() if isinstance(w, FloatWeight) else wq_rows(w, ids)
+
+    return LinearKernels(pack, matmul, pack, rows, lambda w: True)
 
 
 def _register(module: nn.Module, obj) -> None:
     for name, value in vars(obj).items():
         if isinstance(value, torch.Tensor):
             module.register_buffer(name, value, persistent=False)
-
-
-def pack(weight: Weight):
-    """A weight layout → the object its kernel reads."""
-    if isinstance(weight, Int4Weight):
-        return int4_pack(weight.codes(), weight.scales, weight.mins, weight.spec.group_size, weight.in_features)
-    if isinstance(weight, Int8Weight):
-        return int8_pack(weight.qweight, weight.scales, weight.in_features)
-    return weight
 
 
 def fuse_rows(weights: list[Weight]) -> Weight | None:
@@ -47,46 +122,37 @@ def fuse_rows(weights: list[Weight]) -> Weight | None:
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W^T (+ b). Input any float dtype [..., K]; output fp32 [..., N].
-    `exact`: force the exact fp32 path (True) or the fused low-precision kernel (False); None lets
-    the kernel choose by the number of rows (see kernels/int4_mm.py)."""
+    """y = x @ W^T (+ b). Input [..., K] in the backend's activation dtype (or fp32); output in
+    out_dtype, by default the input's. `exact`: force the exact fp32 path (True) or the fast kernel (False); None lets the
+    kernel choose (CPU: by row count, see kernels/int4_mm.py; CUDA: the activation dtype)."""
 
-    def __init__(self, weight: Weight | Int8Packed, bias: torch.Tensor | None = None, spec_name: str | None = None):
+    def __init__(self, weight, kernels: LinearKernels, bias: torch.Tensor | None = None,
+                 spec_name: str | None = None, packed: bool = False):
         super().__init__()
         self.spec_name = spec_name or weight.spec.name  # an already packed table passes its layout's name
-        self.w = weight if isinstance(weight, Int8Packed) else pack(weight)
+        self.w = weight if packed else kernels.pack(weight)
+        self.matmul = kernels.matmul
         _register(self, self.w)
-        self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
+        device = self.w.weight.device if isinstance(self.w, FloatWeight) else next(
+            t.device for t in vars(self.w).values() if isinstance(t, torch.Tensor))
+        self.register_buffer("bias", None if bias is None else bias.float().to(device), persistent=False)
 
-    def forward(self, x: torch.Tensor, exact: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, exact: bool | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        if isinstance(self.w, FloatWeight):
-            y = torch.nn.functional.linear(x2.to(self.w.weight.dtype), self.w.weight)
-        elif isinstance(self.w, Int8Packed):
-            y = int8_mm(x2, self.w, exact)
-        else:
-            y = int4_mm(x2, self.w, exact)
-        y = y.float()
+        y = self.matmul(x.reshape(-1, x.shape[-1]), self.w, exact, out_dtype)  # [M, N] from [M, K]
         if self.bias is not None:
-            y = y + self.bias
+            y = (y.float() + self.bias).to(y.dtype)
         return y.reshape(*lead, -1)
 
 
 class QuantEmbedding(nn.Module):
     """Token ids → fp32 rows, read straight from the quantized table."""
 
-    def __init__(self, weight: Weight | Int8Packed):
+    def __init__(self, weight: Weight, kernels: LinearKernels):
         super().__init__()
-        self.w = int8_pack(weight.qweight, weight.scales, weight.in_features) if isinstance(weight, Int8Weight) else weight
+        self.w = kernels.pack_embedding(weight)
+        self.lookup = kernels.rows
         _register(self, self.w)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        if isinstance(self.w, Int8Packed):
-            rows = self.w.rows(flat)
-        elif isinstance(self.w, FloatWeight):
-            rows = self.w.weight[flat].float()
-        else:  # Int4Weight kept in its plain layout: dequantize just these rows
-            rows = self.w.rows(flat).dequantize()
-        return rows.reshape(*ids.shape, -1)
+        return self.lookup(self.w, ids.reshape(-1)).reshape(*ids.shape, -1)

@@ -24,6 +24,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"alias, path to a .gguf, or a Hugging Face model directory (default: {DEFAULT_MODEL})")
     p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when a GPU and Triton are there, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
+                   help="activation dtype on CUDA (default float16; the CPU path computes in fp32)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Load a model and print its architecture, weight layouts and bytes held.")
     info.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="alias, .gguf path or HF directory")
     info.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
+    info.add_argument("--device", default="cpu", help="where to load it: cpu (default), cuda or cuda:N")
+    info.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"), help="activation dtype on CUDA")
     return ap
 
 
@@ -75,7 +81,7 @@ def cmd_run(args) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     except ValueError as e:
         raise LowbitError(str(e)) from None
-    lm = load(args.model, args.weights)
+    lm = load(args.model, args.weights, device=args.device, dtype=args.dtype)
     tok = lm.tokenizer
     if args.raw:
         ids = tok.encode(prompt, add_special=True)
@@ -98,7 +104,8 @@ def cmd_run(args) -> int:
         raise LowbitError(str(e)) from None
     if not res.text.endswith("\n"):
         write("\n")
-    print(f"[{lm.path.name} {lm.weights}] prompt {res.prompt_tokens} tokens, TTFT {res.ttft_s * 1000:.0f} ms, "
+    print(f"[{lm.path.name} {lm.weights} {lm.model.device.type}] prompt {res.prompt_tokens} tokens, "
+          f"TTFT {res.ttft_s * 1000:.0f} ms, "
           f"{len(res.token_ids)} tokens at {res.decode_tok_s:.1f} tok/s decode, finish: {res.finish_reason}",
           file=sys.stderr)
     return 0
@@ -128,13 +135,14 @@ def cmd_models(args) -> int:
 def cmd_info(args) -> int:
     from lowbit.runtime.loader import load
 
-    lm = load(args.model, args.weights)
+    lm = load(args.model, args.weights, device=args.device, dtype=args.dtype)
     c = lm.config
     layouts = sorted({m.spec_name for m in lm.model.modules() if hasattr(m, "spec_name")})
     print(f"path: {lm.path}\nformat: {lm.source}\narchitecture: {c.arch}\n"
           f"layers {c.n_layers}, dim {c.dim}, heads {c.n_heads}/{c.n_kv_heads} (q/kv), head_dim {c.head_dim}, "
           f"hidden {c.hidden_dim}, vocab {c.vocab_size}, context {c.max_seq_len}, tied embeddings {c.tie_embeddings}\n"
           f"weights: {lm.weights} (layouts: {', '.join(layouts)})\n"
+          f"device: {lm.model.device} ({lm.model.backend.name} kernels)\n"
           f"bytes held by weight tensors: {lm.weight_bytes:,}\nload time: {lm.load_seconds:.2f} s")
     return 0
 

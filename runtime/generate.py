@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from lowbit.models.llama import KVCache, Llama
+from lowbit.runtime.cuda_graphs import GraphedDecode
 from lowbit.runtime.detokenizer import StreamDetokenizer
 from lowbit.runtime.sampler import Sampler
 
@@ -49,16 +50,30 @@ def _mask_padding(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return logits
 
 
+Step = Callable[[int, int], torch.Tensor]  # (token, its position) → logits fp32 [V] for the next one
+
+
+def decode_step(model: Llama, cache: KVCache) -> Step:
+    """One fast-kernel decode step. On CUDA it is replayed from a CUDA graph (runtime/cuda_graphs.py);
+    on CPU it is a plain forward of one token."""
+    if model.device.type == "cuda":
+        graphed = GraphedDecode(model, cache, buckets=(1,))
+        return lambda tok, pos: graphed(torch.tensor([tok], device=model.device),
+                                        torch.tensor([pos], device=model.device))[0]
+    return lambda tok, pos: model(torch.tensor([[tok]]), cache, pos, exact=False)[0, -1]
+
+
 def sampled_tokens(model: Llama, prompt: list[int], cache: KVCache, sampler: Sampler, vocab: int) -> Iterator[int]:
-    """Plain decoding: prefill (exact for 16+ tokens), then one fused-kernel step per token."""
-    logits = model(torch.tensor([prompt]), cache, 0, last_only=True)[0, -1]
+    """Plain decoding: prefill (exact for 16+ tokens on CPU), then one fast-kernel step per token."""
+    step = decode_step(model, cache)
+    logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)[0, -1]
     pos = len(prompt)
     while True:
         tok = sampler(_mask_padding(logits, vocab))
         yield tok
         if pos >= cache.max_len:
             return
-        logits = model(torch.tensor([[tok]]), cache, pos)[0, -1]
+        logits = step(tok, pos)
         pos += 1
 
 
@@ -67,19 +82,20 @@ def verified_greedy_tokens(model: Llama, prompt: list[int], cache: KVCache, voca
     """The exact model's greedy tokens, drafted by the fast kernels and verified in blocks.
     Drafting stops at an end token or when `budget` tokens have been drafted in all."""
     argmax = lambda logits: int(_mask_padding(logits, vocab).argmax())  # noqa: E731
-    nxt = argmax(model(torch.tensor([prompt]), cache, 0, last_only=True, exact=True)[0, -1])
+    step = decode_step(model, cache)
+    nxt = argmax(model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True, exact=True)[0, -1])
     pos = len(prompt)  # the position `nxt` occupies
     yield nxt
     while pos < cache.max_len:
         drafts, t, p = [], nxt, pos
         left = budget - (pos - len(prompt)) - 1  # tokens still wanted after `nxt`
         while len(drafts) < min(block - 1, left) and p + 1 < cache.max_len and t not in stop_ids:
-            t = argmax(model(torch.tensor([[t]]), cache, p, exact=False)[0, -1])
+            t = argmax(step(t, p))
             drafts.append(t)
             p += 1
         seq = [nxt, *drafts]
-        logits = _mask_padding(model(torch.tensor([seq]), cache, pos, exact=True)[0], vocab)  # [len(seq), V]
-        exact = logits.argmax(-1).tolist()
+        logits = _mask_padding(model(torch.tensor([seq], device=model.device), cache, pos, exact=True)[0], vocab)
+        exact = logits.argmax(-1).tolist()  # [len(seq)]
         for j, d in enumerate(drafts):
             if exact[j] != d:  # first disagreement: the exact token replaces the draft
                 nxt, pos = exact[j], pos + j + 1
@@ -104,7 +120,7 @@ def generate(model: Llama, tokenizer, prompt_ids: list[int], max_tokens: int, sa
     max_tokens = min(max_tokens, limit - len(prompt_ids))
     verify = verify_greedy and sampler.p.temperature == 0
     slack = VERIFY_BLOCK if verify else 0  # drafts may run a block past the last token kept
-    cache = KVCache.empty(model.config, 1, min(limit, len(prompt_ids) + max_tokens + slack))
+    cache = KVCache.empty(model.config, 1, min(limit, len(prompt_ids) + max_tokens + slack), model.device)
     detok = StreamDetokenizer(tokenizer)
     out: list[int] = []
     pieces: list[str] = []

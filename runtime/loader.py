@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from lowbit.models.backend import select_backend
 from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import Llama
 from lowbit.quant import parse_weights
@@ -44,10 +45,17 @@ def _progress_bar(total: int, desc: str, enabled: bool):
     return (lambda n: bar.update(n - bar.n)), bar.close
 
 
-def load(ref: str | None, weights: str = "auto", progress: bool | None = None) -> LoadedModel:
-    """weights: `auto` (GGUF: lossless native layouts; safetensors: int4-g32) or a layout name."""
+def load(ref: str | None, weights: str = "auto", progress: bool | None = None, device: str = "auto",
+         dtype: str = "float16") -> LoadedModel:
+    """weights: `auto` (GGUF: lossless native layouts; safetensors: int4-g32) or a layout name.
+    device: auto (CUDA when there is a GPU and Triton) | cpu | cuda[:N]; dtype: the activations'
+    on CUDA, float16 | bfloat16 (CPU computes in fp32)."""
     if progress is None:
         progress = sys.stderr.isatty()
+    try:
+        backend = select_backend(device, dtype)
+    except (ValueError, RuntimeError) as e:
+        raise LowbitError(str(e)) from None
     say = (lambda s: print(f"lowbit: {s}", file=sys.stderr)) if progress else None
     path = resolve(ref, progress=say)
     t0 = time.perf_counter()
@@ -89,7 +97,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None) -
         source, used = "gguf", weights
     try:
         with torch.no_grad():
-            model = Llama(config, w).eval()
+            model = Llama(config, w, backend).eval()
     except RuntimeError as e:  # e.g. a torch build whose int4 packing layout lowbit does not know
         raise LowbitError(f"{path}: cannot build the model: {str(e).splitlines()[0]}") from None
     del w

@@ -38,7 +38,7 @@ class Sampler:
         """logits fp32 [V] → token id."""
         if self.p.temperature == 0:
             return int(logits.argmax())
-        logits = logits.float() / self.p.temperature
+        logits = logits.float().cpu() / self.p.temperature  # the seeded generator lives on the CPU
         if self.p.top_k:
             kth = torch.topk(logits, min(self.p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -17,8 +17,18 @@ import tokenizers
 
 from .chat_template import ChatTemplate
 from .tokenizer_gguf import (  # noqa: F401  (token types re-exported for callers and tests)
-    BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, byte_level_bytes, end_of_turn_ids,
-    gpt2_byte_decoder, spm_bytes, tokenizer_parts)
+    BYTE,
+    CONTROL,
+    NORMAL,
+    UNKNOWN,
+    UNUSED,
+    USER_DEFINED,
+    byte_level_bytes,
+    end_of_turn_ids,
+    gpt2_byte_decoder,
+    spm_bytes,
+    tokenizer_parts,
+)
 
 
 class Tokenizer:

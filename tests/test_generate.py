@@ -11,7 +11,7 @@ import torch
 
 from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import KVCache, Llama
-from lowbit.quant import parse_weights, quantize_weight
+from lowbit.models.synthetic import random_weights
 from lowbit.runtime.detokenizer import StreamDetokenizer
 from lowbit.runtime.generate import generate
 from lowbit.runtime.sampler import Sampler, SamplingParams
@@ -22,19 +22,7 @@ VOCAB = 101
 def tiny_model(seed: int = 0) -> Llama:
     cfg = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
                       vocab_size=VOCAB, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=64, tie_embeddings=False)
-    g = torch.Generator().manual_seed(seed)
-    int4, int8 = parse_weights("int4-g32"), parse_weights("int8-g32")
-
-    def m(n, k, spec=int4):
-        return quantize_weight(torch.randn(n, k, generator=g) * 0.4, spec)
-
-    w = {"embed": m(VOCAB, 64, int8), "output": m(VOCAB, 64, int8), "norm": torch.ones(64)}
-    for i in range(2):
-        p = f"layers.{i}."
-        w |= {p + "attn_norm": torch.ones(64), p + "ffn_norm": torch.ones(64), p + "wq": m(64, 64),
-              p + "wk": m(32, 64), p + "wv": m(32, 64), p + "wo": m(64, 64), p + "w_gate": m(96, 64),
-              p + "w_up": m(96, 64), p + "w_down": m(64, 96)}
-    return Llama(cfg, w).eval()
+    return Llama(cfg, random_weights(cfg, "int4-g32", "int8-g32", seed=seed)).eval()
 
 
 class ByteTokenizer:

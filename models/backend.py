@@ -1,0 +1,68 @@
+"""Which kernels a model runs, chosen once per model from its device (DESIGN.md, Backends).
+
+    torch   CPU: torch's fused int4/int8 weight-only kernels; the small ops are the plain-torch
+            `_ref` specs in fp32, so the CPU path is the reference arithmetic itself.
+    triton  CUDA: the Triton kernels (kernels/wq_mm.py, rms_norm.py, rotary.py, silu_mul.py) with
+            fp16 or bf16 activations. The tests also run it on CPU under Triton's interpreter.
+
+Layers call `backend.<op>` and never look at the device. The residual stream stays fp32 on both
+(the add is fused into the norm), so the usual fp16 overflow point — a residual growing past
+65504 — does not arise; fp16 is the CUDA default because its 10-bit mantissa rounds activations 8x
+less than bf16's 7 bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lowbit.kernels import rms_norm, rotary, silu_mul
+from lowbit.kernels.triton_import import HAVE_TRITON
+from lowbit.quant.linear import CPU_KERNELS, LinearKernels, triton_kernels
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # "torch" | "triton"
+    device: torch.device
+    dtype: torch.dtype  # activations between kernels (fp32 on torch)
+    linear: LinearKernels
+    add_rms_norm: Callable  # (x, residual | None, weight, eps, out_dtype) → (normed, residual fp32)
+    rotary: Callable  # (q [M, H, D], k [M, Hkv, D], cos, sin [M, D]) → (q, k)
+    silu_mul: Callable  # (gate, up [M, I]) → [M, I]
+
+
+def torch_backend() -> Backend:
+    return Backend("torch", torch.device("cpu"), torch.float32, CPU_KERNELS,
+                   rms_norm.add_rms_norm_ref, rotary.rotary_ref, silu_mul.silu_mul_ref)
+
+
+def triton_backend(device: str | torch.device = "cuda", dtype: str = "float16") -> Backend:
+    if not HAVE_TRITON:
+        raise RuntimeError("the CUDA path needs Triton (it comes with CUDA builds of torch; pip install triton)")
+    device = torch.device(device)
+    return Backend("triton", device, DTYPES[dtype], triton_kernels(device),
+                   rms_norm.add_rms_norm, rotary.rotary_, silu_mul.silu_mul)
+
+
+def default_device() -> str:
+    """cuda when a GPU and Triton are both there, else cpu."""
+    return "cuda" if torch.cuda.is_available() and HAVE_TRITON else "cpu"
+
+
+def select_backend(device: str = "auto", dtype: str = "float16") -> Backend:
+    """device: auto | cpu | cuda | cuda:N. The one place a device turns into kernels."""
+    device = default_device() if device == "auto" else device
+    if device == "cpu":
+        return torch_backend()
+    if not device.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}; expected auto, cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown activation dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    return triton_backend(device, dtype)
