@@ -6,6 +6,7 @@ same tokens — and greedy 32-token replies equal the reference's for at least 4
 """
 
 import importlib
+
 import pytest
 import torch
 

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter
-from gguf import quants
+from gguf import GGUFWriter, quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from lowbit.quant import FloatWeight, Int4Weight, Int8Weight, parse_weights, quantize_weight

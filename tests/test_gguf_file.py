@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFValueType as V, GGUFWriter
+from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFValueType as V
 from gguf.quants import quantize
 
 from lowbit.runtime.errors import LowbitError

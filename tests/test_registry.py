@@ -14,8 +14,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from types import MappingProxyType
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 
 import pytest
 

@@ -1,8 +1,8 @@
 """The SentencePiece (`tokenizer.ggml.model = "llama"`) path, on a tiny llama-style vocabulary
 written here with gguf.GGUFWriter and checked against llama.cpp loading the same file."""
 
-import importlib
 import ctypes
+import importlib
 import random
 from pathlib import Path
 

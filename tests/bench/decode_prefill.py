@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import llama_cpp
+
     from lowbit.runtime.loader import load
     from lowbit.runtime.registry import resolve
 
