@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
@@ -237,7 +238,10 @@ BAD_FLAGS = {
     "top-p-zero": (["--top-p", "0"], ("top_p",)),
     "max-tokens-zero": (["--max-tokens", "0"], ("--max-tokens",)),
     "weights-int3": (["--weights", "int3"], ("int3",)),
+    "device-tpu": (["--device", "tpu"], ("unknown device", "tpu")),
 }
+if not torch.cuda.is_available():
+    BAD_FLAGS["device-cuda-without-gpu"] = (["--device", "cuda"], ("cuda", "no CUDA GPU"))
 
 
 @pytest.fixture(scope="module")
@@ -264,10 +268,10 @@ def failures(bad_files, empty_models, default_models, work) -> dict:
 @pytest.mark.parametrize("sub, flags", [
     ([], ["run", "pull", "models", "info"]),
     (["run"], ["--model", "--weights", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--system",
-               "--raw", "--threads"]),
+               "--raw", "--threads", "--device", "--dtype"]),
     (["pull"], ["model", "LOWBIT_MODELS"]),
     (["models"], ["LOWBIT_MODELS"]),
-    (["info"], ["model", "--weights"]),
+    (["info"], ["model", "--weights", "--device"]),
 ])
 def test_help(sub, flags, work, empty_models):
     r = lowbit([*sub, "--help"], empty_models, work)
