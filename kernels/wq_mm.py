@@ -78,7 +78,7 @@ def wq_pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
         raise ValueError(f"wq_pack_int4: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} "
                          f"do not form groups of {group_size}")
     c = codes.t().reshape(Kp // 8, 8, N).to(torch.int64)  # [Kp/8, 8, N]: the 8 codes of one word
-    shifts = (torch.arange(8, dtype=torch.int64) * 4).view(1, 8, 1)
+    shifts = (torch.arange(8, dtype=torch.int64, device=codes.device) * 4).view(1, 8, 1)
     words = (c << shifts).sum(dim=1)  # [Kp/8, N], 0 .. 2^32 - 1
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # same bits, as int32
     return WQPacked(words.contiguous(), scales.t().half().contiguous(),
