@@ -1,0 +1,455 @@
+"""lowbit's weight-only matmul (kernels/wq_mm.py) vs torch F.linear (cuBLAS) on Llama-7B layers, one GPU.
+
+    python tests/bench/gpu_kernels.py [--layouts int4-g128,...] [--shapes 4096x4096,...] [--m 1,4,16]
+                                      [--dtype bfloat16] [--peak-gbs 4800] [--sweep] [--out DIR]
+    TRITON_INTERPRET=1 python tests/bench/gpu_kernels.py --smoke      (CPU: code paths only, no timing)
+
+Shapes are OUTxIN, written like torch's weight.shape [N, K]: N = out_features (columns of y),
+K = in_features (the reduced dimension). 4096x4096 = q/k/v/o (out 4096, in 4096); 11008x4096 =
+gate/up (out 11008, in 4096); 4096x11008 = down (out 4096, in 11008); 32000x4096 = LM head
+(out 32000, in 4096). M = rows of x (tokens): 1-16 is decode, 2048 a prefill chunk.
+
+Each row: y[M, N] = x[M, K] @ W^T with x in --dtype, W in one lowbit layout (packed words on the
+device, random but valid: every int32 word is 8 int4 codes), timed by triton.testing.do_bench
+(median of its reps, L2 cleared before each rep), against torch F.linear(x, W) with W in --dtype
+(cuBLAS), timed the same way (once per shape and M). lowbit's time is the whole wq_mm call, as the
+model pays it (split-K: also its zero-filled fp32 output and the cast). GB/s counts the bytes a call
+must move at least: packed weight + scales (+ mins) + x + y. TFLOP/s = 2*M*N*K / time. % peak = GB/s / --peak-gbs
+(default by GPU name: H200 4800, H100 SXM 3350, otherwise none). Every layout and shape is checked
+against wq_mm_ref (fp32) at --check-m rows; a wrong result exits 1 after the table.
+--sweep times a few LaunchConfigs on 4096x4096 int4-g128 for M = 1, 16, 2048 (input for
+choose_config). --precompile N compiles the kernels in N worker processes before timing (Triton's
+disk cache), so a fresh machine spends seconds, not minutes, compiling. --budget-s stops starting
+new rows when exceeded (the outputs then say which rows were skipped, and the exit status is 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lowbit.kernels.triton_import import interpreting, triton
+from lowbit.kernels.wq_mm import (
+    DECODE_MAX_ROWS,
+    LaunchConfig,
+    WQPacked,
+    choose_config,
+    wq_mm,
+    wq_mm_ref,
+    wq_pack_int4,
+    wq_pack_int8,
+)
+from lowbit.quant import Int4Weight, parse_weights, quantize_weight
+
+LAYERS = {(4096, 4096): "q/k/v/o", (11008, 4096): "gate/up", (4096, 11008): "down", (32000, 4096): "lm_head"}
+LAYOUTS = ("int4-g128", "int4-sym-g128", "int4-g32", "int8-g32", "int8")
+MS = (1, 4, 16, 64, 256, 2048)
+SWEEP = ("int4-g128", 4096, 4096, (1, 16, 2048))  # layout, N, K, M values
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def peak_gbs_for(name: str) -> float | None:
+    """HBM peak by product name: H200 4.8 TB/s; H100 SXM (reported as "H100 80GB HBM3") 3.35 TB/s."""
+    if "H200" in name:
+        return 4800.0
+    if "H100" in name and ("SXM" in name or "HBM3" in name):
+        return 3350.0
+    return None
+
+
+def build_weight(layout: str, N: int, K: int, device: torch.device, seed: int, quantized: bool) -> WQPacked:
+    """quantized: lowbit.quant's quantizer and the loader's pack functions on the CPU (the real path,
+    slow for 7B shapes). Otherwise the packed form drawn directly on the device: a valid layout,
+    since any int32 word is 8 codes 0..15 and any int8 in -127..127 is a code."""
+    spec = parse_weights(layout)
+    g = torch.Generator(device=device if not quantized else "cpu").manual_seed(seed)
+    if quantized:
+        w = quantize_weight(torch.randn(N, K, generator=g) * 0.02, spec)
+        if isinstance(w, Int4Weight):
+            return wq_pack_int4(w.codes(), w.scales, w.mins, w.spec.group_size, K).to(device)
+        return wq_pack_int8(w.qweight, w.scales, K).to(device)
+    group = spec.group_size or K
+    Kp = -(-K // group) * group
+    G = Kp // group
+    rand = lambda *s: torch.rand(*s, generator=g, device=device)
+    if spec.bits == 4:
+        words = torch.randint(0, 2**32, (Kp // 8, N), generator=g, device=device, dtype=torch.int64)  # [Kp/8, N]
+        q = (words - 2**31).to(torch.int32)
+        scales = (rand(G, N) * 0.004 + 0.001).half()  # [G, N]
+        mins = None if spec.symmetric else (-7.5 * scales.float() * (0.8 + 0.4 * rand(G, N))).half()
+        return WQPacked(q, scales, mins, 4, group, K)
+    q = torch.randint(-127, 128, (Kp, N), generator=g, device=device, dtype=torch.int8)  # [Kp, N]
+    scales = rand(G, N) * 2e-4 + 5e-5  # fp32 [1, N] per channel, else fp16 [G, N]
+    return WQPacked(q, scales if spec.group_size == 0 else scales.half(), None, 8, group, K)
+
+
+def packed_bytes(w: WQPacked) -> int:
+    return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.mins) if t is not None)
+
+
+def cfg_str(c: LaunchConfig) -> str:
+    return f"bm{c.block_m} bn{c.block_n} bk{c.block_k} sk{c.split_k} gm{c.group_m} w{c.num_warps} s{c.num_stages}"
+
+
+def bench_ms(fn, device: torch.device, warmup: int, rep: int) -> float:
+    """do_bench's median on CUDA (its L2 flush included); one perf_counter call elsewhere (smoke)."""
+    if device.type != "cuda":
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    from triton.testing import do_bench
+    median = ({"return_mode": "median"} if "return_mode" in inspect.signature(do_bench).parameters
+              else {"quantiles": [0.5]})
+    r = do_bench(fn, warmup=warmup, rep=rep, **median)
+    return float(r[0] if isinstance(r, (list, tuple)) else r)
+
+
+def sweep_candidates(M: int, layout: str, smoke: bool) -> tuple[list[LaunchConfig], tuple]:
+    """Stage 1: tile shape x split-K (decode) or tile shape (prefill) at default warps/stages;
+    stage 2 tries the (num_warps, num_stages) pairs returned here around the best two.
+    BLOCK_K is the group (choose_config's rule: a K tile never straddles a group), 128 per channel."""
+    bk = parse_weights(layout).group_size or 128
+    if M <= DECODE_MAX_ROWS:
+        stage1 = [LaunchConfig(16, bn, bk, sk, 1, 4, 4) for bn in (64, 128, 256) for sk in (2, 4, 8, 16)]
+        variants = ((4, 2), (4, 3), (8, 3), (8, 4))
+    else:
+        stage1 = [LaunchConfig(bm, bn, bk, 1, 8, 8 if bm == 128 else 4, 3) for bm in (64, 128) for bn in (64, 128, 256)]
+        variants = ((4, 3), (4, 4), (8, 2), (8, 3), (8, 4))
+    return (stage1[:2], variants[:1]) if smoke else (stage1, variants)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """||y - ref|| / ||ref||: bf16 output rounding gives ~1e-3, a layout or indexing bug ~1."""
+    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _compile_task(task) -> str | None:
+    """Worker process: run each launch once so Triton compiles it into its disk cache. Errors are
+    returned, not raised: the main process meets (and reports) them again when it times the launch."""
+    layout, N, K, Ms, dtype, cfg, seed, quantized = task
+    device = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
+    try:
+        w = build_weight(layout, N, K, device, seed, quantized)
+        for M in Ms:
+            wq_mm(torch.randn(M, K, device=device).to(DTYPES[dtype]), w, None if cfg is None else LaunchConfig(**cfg))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class Run:
+    def __init__(self, a, device: torch.device):
+        self.a, self.device, self.dtype = a, device, DTYPES[a.dtype]
+        self.t0 = time.perf_counter()
+        self.bf16: dict[tuple, float] = {}  # (N, K, M) → torch ms
+        self.wt: dict[tuple, torch.Tensor] = {}  # (N, K) → torch weight
+        self.xs: dict[tuple, torch.Tensor] = {}  # (M, K) → activations
+        self.rows, self.checks, self.sweep, self.skipped = [], [], [], []
+        self.pool = None
+
+    def left_s(self) -> float:
+        return float("inf") if not self.a.budget_s else self.a.budget_s - (time.perf_counter() - self.t0)
+
+    def precompile(self, tasks) -> None:
+        if self.a.precompile <= 0 or not tasks or self.left_s() < 10:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.pool is None:
+                self.pool = mp.get_context("spawn").Pool(self.a.precompile)
+            left = self.left_s()
+            errors = [e for e in self.pool.map_async(_compile_task, tasks, chunksize=1).get(
+                timeout=None if left == float("inf") else max(5.0, left * 0.6)) if e]
+            print(f"precompiled {len(tasks)} launch groups in {self.a.precompile} processes: "
+                  f"{time.perf_counter() - t0:.1f} s, {len(errors)} failed{': ' if errors else ''}"
+                  + "; ".join(e.splitlines()[0][:160] for e in errors[:3]), flush=True)
+        except Exception as e:  # noqa: BLE001 - only a speed-up: the timed runs compile what is missing
+            print(f"precompile skipped ({type(e).__name__}: {e}); compiling in-process", flush=True)
+            self.close()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
+
+    def x(self, M: int, K: int) -> torch.Tensor:
+        if (M, K) not in self.xs:
+            self.xs[(M, K)] = torch.randn(M, K, device=self.device).to(self.dtype)
+        return self.xs[(M, K)]
+
+    def torch_ms(self, N: int, K: int, M: int) -> float:
+        if (N, K) not in self.wt:
+            self.wt[(N, K)] = (torch.randn(N, K, device=self.device) * 0.02).to(self.dtype)
+        if (N, K, M) not in self.bf16:
+            x, w = self.x(M, K), self.wt[(N, K)]
+            self.bf16[(N, K, M)] = bench_ms(partial(F.linear, x, w), self.device, self.a.warmup, self.a.rep)
+        return self.bf16[(N, K, M)]
+
+    def check(self, what: dict, y: torch.Tensor, ref: torch.Tensor) -> bool:
+        err = rel_err(y, ref)
+        ok = bool(torch.isfinite(y).all()) and err <= self.a.tol
+        self.checks.append({**what, "rel_err": float(f"{err:.3g}"), "tol": self.a.tol, "ok": ok})
+        if not ok:
+            print(f"WRONG RESULT: {what} relative error {err:.3g} > {self.a.tol}", file=sys.stderr, flush=True)
+        return ok
+
+    def compile_tasks(self, layouts, shapes, ms, sweep) -> list[tuple]:
+        """The table's launches (default configs), and the sweep's first stage if `sweep` is given."""
+        a = self.a
+        tasks = [(lay, N, K, ms, a.dtype, None, a.seed, a.quantized) for lay in layouts for N, K in shapes]
+        if sweep:
+            layout, N, K, sweep_ms = sweep
+            for M in sweep_ms:
+                tasks += [(layout, N, K, [M], a.dtype, asdict(c), a.seed, a.quantized)
+                          for c in sweep_candidates(M, layout, a.smoke)[0]]
+        return tasks
+
+    def table(self, layouts, shapes, ms) -> None:
+        a = self.a
+        self.precompile(self.compile_tasks(layouts, shapes, ms, None))
+        print(f"{'layout':<14}{'layer':<9}{'N out':>7}{'K in':>7}{'M':>6}{'lowbit ms':>11}{'torch ms':>10}"
+              f"{'speedup':>9}{'GB/s':>8}{'TFLOP/s':>9}{'% peak':>8}", flush=True)
+        for layout in layouts:
+            for N, K in shapes:
+                self.weight_rows(layout, build_weight(layout, N, K, self.device, a.seed, a.quantized), ms)
+                self.write()  # as it goes: a run killed by a timeout keeps what it measured
+
+    def weight_rows(self, layout: str, w: WQPacked, ms) -> None:
+        a, N, K = self.a, w.out_features, w.in_features
+        for M in ms:
+            what = {"layout": layout, "N": N, "K": K, "M": M}
+            if self.left_s() <= 0:
+                self.skipped.append(what)
+                continue
+            x = self.x(M, K)
+            if M in a.check_m:
+                self.check(what, wq_mm(x, w), wq_mm_ref(x, w))
+            ms_lb = bench_ms(partial(wq_mm, x, w), self.device, a.warmup, a.rep)
+            ms_t = self.torch_ms(N, K, M)
+            nbytes = packed_bytes(w) + (M * K + M * N) * x.element_size()
+            gbs = nbytes / ms_lb / 1e6
+            r = {**what, "layer": LAYERS.get((N, K), ""), "lowbit_ms": ms_lb, "torch_ms": ms_t,
+                 "speedup": ms_t / ms_lb, "gbs": gbs, "tflops": 2 * M * N * K / ms_lb / 1e9,
+                 "pct_peak": None if not a.peak_gbs else 100 * gbs / a.peak_gbs,
+                 "torch_gbs": (N * K + M * K + M * N) * x.element_size() / ms_t / 1e6,
+                 "bytes": nbytes, "config": cfg_str(choose_config(M, w, self.device))}
+            self.rows.append(r)
+            pct = "" if r["pct_peak"] is None else f"{r['pct_peak']:.0f}%"
+            print(f"{layout:<14}{r['layer']:<9}{N:>7}{K:>7}{M:>6}{ms_lb:>11.4f}{ms_t:>10.4f}"
+                  f"{r['speedup']:>8.2f}x{gbs:>8.0f}{r['tflops']:>9.1f}{pct:>8}", flush=True)
+
+    def sweep_configs(self, layout: str, N: int, K: int, ms) -> None:
+        """Coarse-to-fine (sweep_candidates); every config is checked against the ref before it is timed."""
+        a = self.a
+        w = build_weight(layout, N, K, self.device, a.seed, a.quantized)
+        for M in ms:
+            x, ref = self.x(M, K), wq_mm_ref(self.x(M, K), w)
+            default = choose_config(M, w, self.device)
+            stage1, variants = sweep_candidates(M, layout, a.smoke)
+            timed: dict[LaunchConfig, float | None] = {}
+            what = {"sweep": layout, "N": N, "K": K, "M": M}
+            self.time_configs([default, *stage1], timed, what, w, x, ref)
+            good = sorted((t, cfg_str(c), c) for c, t in timed.items() if t is not None)
+            self.time_configs([replace(c, num_warps=nw, num_stages=ns) for _, _, c in good[:2] for nw, ns in variants],
+                              timed, what, w, x, ref)
+            good = sorted((t, cfg_str(c), c) for c, t in timed.items() if t is not None)
+            if not good:
+                continue
+            base = timed.get(default)
+            for t, s, c in good:
+                self.sweep.append({"layout": layout, "N": N, "K": K, "M": M, "config": asdict(c), "ms": t,
+                                   "default": c == default, "vs_default": None if base is None else base / t})
+            best_t, best_s, _ = good[0]
+            vs = "" if base is None else f"; choose_config {cfg_str(default)}: {base:.4f} ms, best is {base / best_t:.2f}x"
+            print(f"sweep {layout} {N}x{K} M={M}: best {best_s}: {best_t:.4f} ms ({len(good)} configs ran{vs})", flush=True)
+            for t, s, _ in good[:5]:
+                print(f"    {t:.4f} ms  {s}", flush=True)
+            self.write()
+
+    def time_configs(self, cfgs, timed: dict, what: dict, w: WQPacked, x: torch.Tensor, ref: torch.Tensor) -> None:
+        """Check, then time, each config not yet in `timed` (None: wrong, or failed to compile/launch)."""
+        a = self.a
+        self.precompile([(what["sweep"], what["N"], what["K"], [what["M"]], a.dtype, asdict(c), a.seed, a.quantized)
+                         for c in cfgs if c not in timed])
+        for c in cfgs:
+            if c in timed or self.left_s() <= 0:
+                continue
+            try:
+                ok = self.check({**what, "config": cfg_str(c)}, wq_mm(x, w, c), ref)
+                timed[c] = bench_ms(partial(wq_mm, x, w, c), self.device, a.warmup, a.rep) if ok else None
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: that config is out
+                print(f"  {cfg_str(c)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+                timed[c] = None
+
+    def summary(self) -> list[dict]:
+        a = self.a
+
+        def pick(layout, ms, key):
+            return [r[key] for r in self.rows if r["layout"] == layout and r["M"] in ms and r[key] is not None]
+
+        decode = [m for m in a.m if m <= DECODE_MAX_ROWS]
+        goals = [("int4-g128 decode M<=16: mean speedup vs torch", pick("int4-g128", decode, "speedup"), 3.0, "x"),
+                 ("int4-g128 M=1: mean % of peak bandwidth", pick("int4-g128", (1,), "pct_peak"), 70.0, "%"),
+                 ("int8 (per channel) decode M<=16: mean speedup vs torch", pick("int8", decode, "speedup"), 1.8, "x"),
+                 ("int4-g128 prefill M=2048: mean speedup vs torch", pick("int4-g128", (2048,), "speedup"), 0.8, "x")]
+        out = []
+        for label, vals, target, unit in goals:
+            mean = statistics.fmean(vals) if vals else None
+            status = "N/A" if mean is None else "PASS" if mean >= target else "MISS"
+            out.append({"goal": label, "value": mean, "target": target, "unit": unit, "rows": len(vals),
+                        "min": min(vals) if vals else None, "status": status})
+        return out
+
+    def meta(self) -> dict:
+        dev = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu (Triton interpreter)"
+        return {"device": dev, "torch": torch.__version__, "triton": getattr(triton, "__version__", "?"),
+                "dtype": self.a.dtype, "peak_gbs": self.a.peak_gbs, "warmup_ms": self.a.warmup, "rep_ms": self.a.rep,
+                "weights": "quantize_weight + wq_pack_*" if self.a.quantized else "random packed words on the device",
+                "timing": "triton.testing.do_bench median, L2 cleared per rep" if self.device.type == "cuda"
+                else "one perf_counter call (smoke, not a measurement)", "smoke": self.a.smoke}
+
+    def write(self) -> None:
+        if not self.a.out:
+            return
+        out = Path(self.a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        summary = self.summary()
+        (out / "gpu_kernels.json").write_text(json.dumps(
+            {"meta": self.meta(), "rows": self.rows, "checks": self.checks, "summary": summary,
+             "sweep": self.sweep, "skipped": self.skipped}, indent=1, default=str))
+        m = self.meta()
+        f = lambda v, p: "" if v is None else f"{v:.{p}f}"
+        lines = [f"# lowbit wq_mm vs torch {m['dtype']} F.linear", "",
+                 (f"GPU {m['device']}; torch {m['torch']}; triton {m['triton']}; activations {m['dtype']}; "
+                  f"timing: {m['timing']} (warmup {m['warmup_ms']} ms, rep {m['rep_ms']} ms); weights: {m['weights']}; "
+                  f"peak bandwidth {m['peak_gbs'] or 'unknown'} GB/s."), "",
+                 ("N = out features, K = in features (weight.shape [N, K]); y[M, N] = x[M, K] @ W^T. "
+                  "GB/s: packed weight + scales + mins + x + y over the lowbit time."), "",
+                 "| layout | layer | N (out) | K (in) | M | lowbit ms | torch ms | speedup | GB/s | TFLOP/s | % peak | config |",
+                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {r['layout']} | {r['layer']} | {r['N']} | {r['K']} | {r['M']} | {r['lowbit_ms']:.4f} | "
+                  f"{r['torch_ms']:.4f} | {r['speedup']:.2f}x | {r['gbs']:.0f} | {r['tflops']:.1f} | "
+                  f"{f(r['pct_peak'], 0)} | {r['config']} |" for r in self.rows]
+        lines += ["", "## Targets" + (" (smoke run: not measurements)" if self.a.smoke else ""), ""]
+        lines += [f"- {s['status']}: {s['goal']} = not measured (target >= {s['target']}{s['unit']})" if s["value"] is None
+                  else f"- {s['status']}: {s['goal']} = {s['value']:.2f}{s['unit']} (target >= {s['target']}{s['unit']}, "
+                  f"{s['rows']} rows, min {s['min']:.2f})" for s in summary]
+        bad = [c for c in self.checks if not c["ok"]]
+        lines += ["", (f"## Correctness: {len(self.checks) - len(bad)}/{len(self.checks)} checks within "
+                       f"relative error {self.a.tol} of wq_mm_ref")] + [f"- WRONG: {c}" for c in bad]
+        if self.sweep:
+            sw = self.sweep[0]
+            lines += ["", f"## Config sweep: {sw['layout']} N={sw['N']} K={sw['K']}", "",
+                      "| M | ms | speedup vs choose_config | config |", "|---:|---:|---:|---|"]
+            lines += [f"| {s['M']} | {s['ms']:.4f} | {f(s['vs_default'], 2)} | {cfg_str(LaunchConfig(**s['config']))}"
+                      f"{' (default)' if s['default'] else ''} |" for s in self.sweep]
+        if self.skipped:
+            lines += ["", f"## Skipped for the time budget: {len(self.skipped)} rows", ""] + [f"- {s}" for s in self.skipped]
+        (out / "gpu_kernels.md").write_text("\n".join(lines) + "\n")
+
+
+def ints(s: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in s.split(",") if v)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list (default {','.join(LAYOUTS)})")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in LAYERS),
+                    help="comma list of OUTxIN = NxK, e.g. 11008x4096 = out 11008, in 4096 (gate/up)")
+    ap.add_argument("--m", type=ints, default=MS, help="rows of x, comma list (default 1,4,16,64,256,2048)")
+    ap.add_argument("--dtype", choices=list(DTYPES), help="activations (default bfloat16; float16 with --smoke)")
+    ap.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
+    ap.add_argument("--rep", type=int, default=40, help="do_bench repetition time, ms")
+    ap.add_argument("--peak-gbs", type=float, help="peak memory bandwidth, GB/s (default by GPU name)")
+    ap.add_argument("--check-m", type=ints, default=(4, 64),
+                    help="M values checked against wq_mm_ref (default 4,64: the decode and the tiled launch)")
+    ap.add_argument("--tol", type=float, default=1e-2, help="max relative error (Frobenius) vs wq_mm_ref")
+    ap.add_argument("--sweep", action="store_true", help="also sweep LaunchConfigs on 4096x4096 int4-g128")
+    ap.add_argument("--budget-s", type=float, default=0, help="start no new row after this many seconds (0: none)")
+    ap.add_argument("--precompile", type=int, help="worker processes compiling kernels first (default: min(8, cores/2); 0: off)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="only compile (table, and the sweep's first stage with --sweep) into Triton's cache; no timing")
+    ap.add_argument("--quantized", action="store_true", help="weights via quantize_weight + wq_pack_* (CPU, slow)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="directory for gpu_kernels.md and gpu_kernels.json")
+    ap.add_argument("--smoke", action="store_true", help="one 256x256 shape, M 1 and 4, no real timing")
+    a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: unwind, so the outputs get written
+
+    cuda = torch.cuda.is_available() and not interpreting()
+    if not cuda and not (a.smoke and interpreting()):
+        sys.exit("gpu_kernels.py needs a CUDA GPU (or TRITON_INTERPRET=1 with --smoke for a CPU smoke run)")
+    device = torch.device("cuda" if cuda else "cpu")
+    a.dtype = a.dtype or ("float16" if a.smoke else "bfloat16")
+    if interpreting() and a.dtype == "bfloat16":
+        sys.exit("Triton's interpreter computes bf16 tl.dot wrongly (tests/conftest.py); use --dtype float16")
+    if a.smoke:
+        a.shapes, a.m, a.check_m, a.quantized = "256x256", (1, 4), (1, 4), True
+    if a.precompile is None:
+        # smoke: one worker, to run the code path; CUDA: half the cores, at most 8 (compiles are CPU-bound)
+        a.precompile = 1 if a.smoke else max(1, min(8, (os.cpu_count() or 2) // 2))
+    if a.peak_gbs is None and cuda:
+        a.peak_gbs = peak_gbs_for(torch.cuda.get_device_name(device))
+    layouts = [s for s in a.layouts.split(",") if s]
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",") if s]
+    for lay in layouts:
+        parse_weights(lay)
+
+    torch.manual_seed(a.seed)
+    r = Run(a, device)
+    sweep = None if not (a.sweep or a.smoke) else ("int4-g128", 256, 256, (1, 16, 32)) if a.smoke else SWEEP
+    if a.compile_only:  # fill Triton's disk cache for a later run (gpu_check.sh runs this beside pytest)
+        a.precompile = max(1, a.precompile)
+        try:
+            r.precompile(r.compile_tasks(layouts, shapes, a.m, sweep))
+        finally:
+            r.close()
+        return 0
+    try:
+        with torch.inference_mode():
+            r.table(layouts, shapes, a.m)
+            if sweep and r.left_s() > 0:
+                r.sweep_configs(*sweep)
+            elif sweep:
+                print("sweep skipped: time budget spent", flush=True)
+    finally:
+        r.close()
+        r.write()
+    if a.smoke:
+        print("\nSMOKE RUN: code paths only; the times below are not measurements")
+    print(f"\n{r.meta()['device']}, torch {torch.__version__}, triton {r.meta()['triton']}, {a.dtype}, "
+          f"peak {a.peak_gbs or 'unknown'} GB/s, {time.perf_counter() - r.t0:.0f} s")
+    for s in r.summary():
+        v = "not measured" if s["value"] is None else f"{s['value']:.2f}{s['unit']} (min {s['min']:.2f})"
+        print(f"{s['status']:<5} {s['goal']}: {v}; target >= {s['target']}{s['unit']}")
+    if r.skipped:
+        print(f"INCOMPLETE: {len(r.skipped)} rows skipped for the {a.budget_s:.0f} s budget")
+    bad = [c for c in r.checks if not c["ok"]]
+    print(f"correctness: {len(r.checks) - len(bad)}/{len(r.checks)} checks within {a.tol} of wq_mm_ref")
+    if bad:
+        print(f"FAILED: {len(bad)} results disagree with wq_mm_ref", file=sys.stderr)
+        return 1
+    return 3 if r.skipped else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
