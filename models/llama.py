@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from lowbit.models.attention import ContiguousAttention, PagedAttention, PagedBatch
 from lowbit.models.backend import Backend, torch_backend
 from lowbit.models.config import LlamaConfig
 from lowbit.models.rope import inv_frequencies, rope_tables
@@ -83,34 +83,18 @@ class Block(nn.Module):
         self.gate_up = Projections([w[prefix + "w_gate"], w[prefix + "w_up"]], [None, None], backend)
         self.w_down = QuantLinear(w[prefix + "w_down"], backend.linear)
 
-    def forward(self, delta, residual, layer: int, cos, sin, cache: KVCache, start, mask, exact: bool | None,
+    def forward(self, delta, residual, layer: int, cos, sin, attend, exact: bool | None,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """delta: the previous block's output [M, dim] (the embeddings for layer 0), not yet added to
-        the fp32 residual [M, dim] (None for layer 0). Returns (this block's output, residual)."""
+        the fp32 residual [M, dim] (None for layer 0). `attend` is the cache's attention
+        (models/attention.py). Returns (this block's output, residual)."""
         c, ops = self.c, self.ops
-        B = cache.k.shape[1]
         M = delta.shape[0]
-        T = M // B
         h, residual = ops.add_rms_norm(delta, residual, self.attn_norm, c.norm_eps, dtype)
         q, k, v = self.qkv(h, exact)
         q, k = ops.rotary(q.view(M, c.n_heads, c.head_dim), k.view(M, c.n_kv_heads, c.head_dim), cos, sin)
-        q = q.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        if isinstance(start, int):
-            cache.k[layer, :, :, start:start + T] = k
-            cache.v[layer, :, :, start:start + T] = v
-            keys = cache.k[layer, :, :, : start + T]  # [B, Hkv, S, D]
-            values = cache.v[layer, :, :, : start + T]
-        else:  # one token per sequence at its own position `start[b]`: static shapes (CUDA graphs)
-            rows = torch.arange(B, device=start.device)
-            cache.k[layer, rows, :, start] = k[:, :, 0].to(cache.k.dtype)  # [B, Hkv, D] into [B, Hkv, S, D]
-            cache.v[layer, rows, :, start] = v[:, :, 0].to(cache.v.dtype)
-            keys, values = cache.k[layer], cache.v[layer]  # [B, Hkv, S, D]: whole cache, masked
-        attn = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask,
-                                              is_causal=mask is None and T > 1,
-                                              enable_gqa=c.n_heads != c.n_kv_heads)
-        o = self.wo(attn.transpose(1, 2).reshape(M, c.n_heads * c.head_dim).to(dtype), exact)  # [M, H*D]
+        attn = attend(layer, q, k, v.view(M, c.n_kv_heads, c.head_dim))  # fp32 [M, H*D]
+        o = self.wo(attn.to(dtype), exact)  # [M, dim]
         h, residual = ops.add_rms_norm(o, residual, self.ffn_norm, c.norm_eps, dtype)
         gate, up = self.gate_up(h, exact)
         return self.w_down(ops.silu_mul(gate, up), exact), residual
@@ -151,7 +135,6 @@ class Llama(nn.Module):
         kernels; None (default) lets each matmul choose — on CPU, prefill of 16+ tokens is exact and
         single-token decode is fast."""
         B, T = tokens.shape
-        dtype = torch.float32 if exact else self.backend.dtype
         if isinstance(start, int):
             if start + T > cache.max_len:
                 raise ValueError(f"sequence of {start + T} tokens exceeds the cache ({cache.max_len})")
@@ -161,16 +144,29 @@ class Llama(nn.Module):
             if T != 1:
                 raise ValueError("per-sequence positions take one token per sequence")
             cos, sin = rope_tables(self.inv_freq, start)  # [B, D]
-        mask = self._mask(T, start, cache.max_len)
-        delta, residual = self.embed(tokens.reshape(-1)).to(dtype), None  # [B*T, dim]
+        attend = ContiguousAttention(cache, start, self._mask(T, start, cache.max_len), self.config.n_heads)
+        rows = torch.arange(T - 1, B * T, T, device=self.device) if last_only else None  # each sequence's last
+        logits = self._run(tokens.reshape(-1), cos, sin, attend, rows, exact)
+        return logits.view(B, 1 if last_only else T, -1)
+
+    def forward_paged(self, tokens: torch.Tensor, batch: PagedBatch, pool, exact: bool | None = None) -> torch.Tensor:
+        """The engine's step: tokens int [M] of several sequences (see PagedBatch), K/V written to
+        and read from the paged pool (runtime/kv_cache.py) → logits fp32 [R, V] for batch.logits_rows."""
+        cos, sin = rope_tables(self.inv_freq, batch.positions)  # [M, D]
+        attend = PagedAttention(pool, batch, self.config.sliding_window)
+        return self._run(tokens, cos, sin, attend, batch.logits_rows, exact)
+
+    def _run(self, tokens: torch.Tensor, cos, sin, attend, rows: torch.Tensor | None,
+             exact: bool | None) -> torch.Tensor:
+        """tokens [M] → logits fp32 [M, V], or [len(rows), V] for the rows asked for."""
+        dtype = torch.float32 if exact else self.backend.dtype
+        delta, residual = self.embed(tokens).to(dtype), None  # [M, dim]
         for i, layer in enumerate(self.layers):
-            delta, residual = layer(delta, residual, i, cos, sin, cache, start, mask, exact, dtype)
-        if last_only:
-            delta = delta.view(B, T, -1)[:, -1].contiguous()  # [B, dim]
-            residual = residual.view(B, T, -1)[:, -1].contiguous()
-            T = 1
+            delta, residual = layer(delta, residual, i, cos, sin, attend, exact, dtype)
+        if rows is not None:
+            delta, residual = delta[rows].contiguous(), residual[rows].contiguous()  # [R, dim]
         h, _ = self.backend.add_rms_norm(delta, residual, self.norm, self.config.norm_eps, dtype)
-        return self.output(h, exact, torch.float32).view(B, T, -1)  # fp32 logits: no fp16 rounding
+        return self.output(h, exact, torch.float32)  # fp32 logits: no fp16 rounding
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token per sequence, each at its own position: tokens, positions int [B] → logits
