@@ -1,0 +1,75 @@
+"""KV number formats (kernels/kv_quant.py) and the pool's write/read (runtime/kv_cache.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8, hadamard, quantize_int4, quantize_int8
+from lowbit.quant.kv import KV_FORMATS, parse_kv_format
+from lowbit.runtime.kv_cache import KVPool
+
+
+def test_hadamard_is_orthonormal_and_needs_a_power_of_two():
+    H = hadamard(64)
+    torch.testing.assert_close(H @ H.T, torch.eye(64), atol=1e-6, rtol=0)
+    assert set(H.abs().unique().tolist()) == {0.125}  # every entry is ±1/sqrt(64)
+    with pytest.raises(ValueError, match="power-of-2"):
+        hadamard(80)
+
+
+def test_int8_hand_example():
+    x = torch.tensor([[1.27, -0.635, 0.0, 0.01]])
+    codes, scales = quantize_int8(x, group=4)
+    assert scales.item() == pytest.approx(0.01, rel=1e-3)  # amax / 127, in fp16
+    # the scale kept is fp16(0.01) = 0.010002136: -0.635 / it = -63.49 → -63; 0.01 / it = 0.9998 → 1
+    assert codes.tolist() == [[127, -63, 0, 1]]
+    torch.testing.assert_close(dequantize_int8(codes, scales), codes.float() * scales.float())
+
+
+def test_int4_hand_example():
+    x = torch.tensor([[-1.0, 0.0, 0.5, 2.0]])
+    codes, scales, mins = quantize_int4(x, group=4)
+    assert mins.item() == -1.0 and scales.item() == pytest.approx(0.2, rel=1e-3)  # (2 - -1) / 15
+    u = torch.stack((codes & 0xF, codes >> 4), -1).flatten(-2)
+    # the scale kept is fp16(0.2) = 0.19995: (x - min) / it = 0, 5.0007, 7.5018, 15.004 → 0, 5, 8, 15
+    assert u.tolist() == [[0, 5, 8, 15]]
+    back = dequantize_int4(codes, scales, mins)
+    assert back[0, 0] == -1.0 and abs(back[0, 3] - 2.0) < 1e-3
+
+
+@pytest.mark.parametrize("group", [16, 32, 64])
+def test_round_trip_error_is_half_a_step(group):
+    """Every value comes back within half a quantization step of its group (plus fp16 rounding)."""
+    x = torch.randn(50, 3, 64) * torch.linspace(0.1, 5, 64)  # channels of very different size
+    codes, scales = quantize_int8(x, group)
+    err = (dequantize_int8(codes, scales) - x).unflatten(-1, (-1, group)).abs()
+    assert (err <= scales.float().unsqueeze(-1) * 0.5 * (1 + 1e-3) + 1e-6).all()
+    codes, scales, mins = quantize_int4(x, group)
+    err = (dequantize_int4(codes, scales, mins) - x).unflatten(-1, (-1, group)).abs()
+    assert (err <= scales.float().unsqueeze(-1) * 0.5 * (1 + 1e-2) + 1e-3).all()
+
+
+@pytest.mark.parametrize("name", list(KV_FORMATS))
+def test_pool_reads_back_what_it_wrote(name):
+    """Tokens written to scattered slots come back in sequence order, within the format's error
+    (f16 to 2^-11 relative; rotated int8 to ~1%, int4 to ~10% of the vector's scale)."""
+    fmt = parse_kv_format(name)
+    pool = KVPool(fmt, n_layers=2, n_kv_heads=3, head_dim=64, num_pages=8, page_size=4)
+    k, v = torch.randn(10, 3, 64), torch.randn(10, 3, 64)
+    pages = torch.tensor([5, 1, 7])
+    slots = pages[torch.arange(10) // 4] * 4 + torch.arange(10) % 4
+    pool.write(1, k, v, slots)
+    kk, vv = pool.gather(1, pages, 10)  # [Hkv, 10, D]
+    tol = {16: 1e-3, 8: 0.05, 4: 0.35}
+    for got, want, bits in ((kk, k, fmt.k_bits), (vv, v, fmt.v_bits)):
+        assert got.shape == (3, 10, 64)
+        assert (got - want.transpose(0, 1)).abs().max() < tol[bits] * want.abs().max()
+    assert pool.gather(0, pages, 10)[0].abs().max() == 0  # another layer untouched
+
+
+def test_unknown_format_and_empty_budget_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown KV cache format 'q3'"):
+        parse_kv_format("q3")
+    with pytest.raises(ValueError, match="holds no page"):
+        KVPool.from_budget(KV_FORMATS["k8v4"], 30, 3, 64, budget_bytes=1000)
