@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fast-greedy", action="store_true",
                      help="with --temperature 0, skip the exact verification of greedy tokens (faster; bf16 "
                           "rounding may then pick the other token of a near-tie)")
+    run.add_argument("--kv-cache", default="k8v4", choices=("f16", "k8v8", "k8v4", "k4v4"),
+                     help="KV cache format of the paged engine (default k8v4: 8-bit keys, 4-bit values)")
+    run.add_argument("--kv-memory", default="256MiB",
+                     help="memory for the KV cache pool: bytes or a size like 512MiB, 2GiB (default 256MiB)")
 
     pull = sub.add_parser("pull", help="download a model into the model cache",
                           description="Fetch a model by alias and verify its sha256. The cache is "
@@ -67,10 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_size(text: str) -> int:
+    """'1000000', '512MiB', '2GiB', '1.5G' → bytes (K/M/G are taken as binary units)."""
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    try:
+        value = float(num) * units[unit]
+    except ValueError:
+        raise LowbitError(f"cannot read the size {text!r} (examples: 268435456, 256MiB, 2GiB)") from None
+    if value <= 0:
+        raise LowbitError(f"a size must be positive, got {text!r}")
+    return int(value)
+
+
 def cmd_run(args) -> int:
-    from lowbit.runtime.generate import generate
     from lowbit.runtime.loader import load
-    from lowbit.runtime.sampler import Sampler, SamplingParams
+    from lowbit.runtime.sampler import SamplingParams
 
     prompt = args.prompt if args.prompt is not None else ("" if sys.stdin.isatty() else sys.stdin.read())
     if not prompt.strip():
@@ -78,9 +95,11 @@ def cmd_run(args) -> int:
     if args.max_tokens < 1:
         raise LowbitError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                max_tokens=args.max_tokens)
     except ValueError as e:
         raise LowbitError(str(e)) from None
+    kv_memory = parse_size(args.kv_memory)
     lm = load(args.model, args.weights, device=args.device, dtype=args.dtype)
     tok = lm.tokenizer
     if args.raw:
@@ -98,17 +117,55 @@ def cmd_run(args) -> int:
         sys.stdout.flush()
 
     try:
-        res = generate(lm.model, tok, ids, args.max_tokens, Sampler(params), on_text=write,
-                       verify_greedy=not args.fast_greedy)
+        if args.temperature == 0 and not args.fast_greedy:
+            res, kv = _verified_greedy(lm, ids, args.max_tokens, write), "f32 (verified greedy)"
+        else:
+            res, kv = _engine_run(lm, ids, params, args.kv_cache, kv_memory, write), args.kv_cache
     except ValueError as e:
         raise LowbitError(str(e)) from None
     if not res.text.endswith("\n"):
         write("\n")
-    print(f"[{lm.path.name} {lm.weights} {lm.model.device.type}] prompt {res.prompt_tokens} tokens, "
+    print(f"[{lm.path.name} {lm.weights} {lm.model.device.type} kv {kv}] prompt {res.prompt_tokens} tokens, "
           f"TTFT {res.ttft_s * 1000:.0f} ms, "
           f"{len(res.token_ids)} tokens at {res.decode_tok_s:.1f} tok/s decode, finish: {res.finish_reason}",
           file=sys.stderr)
     return 0
+
+
+def _verified_greedy(lm, ids, max_tokens, write):
+    """Greedy with every token checked by the exact model (runtime/generate.py). It still runs on the
+    contiguous fp32 cache: moving verification into the engine is speculative decoding's job."""
+    from lowbit.runtime.generate import generate
+    from lowbit.runtime.sampler import Sampler, SamplingParams
+
+    return generate(lm.model, lm.tokenizer, ids, max_tokens, Sampler(SamplingParams(temperature=0)), on_text=write)
+
+
+def _engine_run(lm, ids, params, kv_format, kv_memory, write):
+    """One request through the paged engine, streamed."""
+    import time
+
+    from lowbit.runtime.engine import Engine
+    from lowbit.runtime.generate import GenerationResult
+
+    engine = Engine(lm.model, lm.tokenizer, kv_format=kv_format, kv_memory=kv_memory)
+    t0 = time.perf_counter()
+    rid = engine.add_request(ids, params)
+    out, pieces, t_first, t_last, finish = [], [], None, None, "length"
+    while engine.has_work():
+        for d in engine.step():
+            now = time.perf_counter()
+            if d.token_ids:
+                t_first = t_first or now
+                t_last = now
+                out += d.token_ids
+            if d.text:
+                pieces.append(d.text)
+                write(d.text)
+            if d.finish_reason is not None and d.request_id == rid:
+                finish = d.finish_reason
+    t_first = t_first or time.perf_counter()
+    return GenerationResult(out, "".join(pieces), len(ids), t_first - t0, (t_last or t_first) - t_first, finish)
 
 
 def cmd_pull(args) -> int:

@@ -239,6 +239,8 @@ BAD_FLAGS = {
     "max-tokens-zero": (["--max-tokens", "0"], ("--max-tokens",)),
     "weights-int3": (["--weights", "int3"], ("int3",)),
     "device-tpu": (["--device", "tpu"], ("unknown device", "tpu")),
+    "kv-memory-unreadable": (["--kv-memory", "lots"], ("lots",)),
+    "kv-memory-too-small": (["--kv-memory", "1000", "--temperature", "0.5"], ("holds no page",)),
 }
 if not torch.cuda.is_available():
     BAD_FLAGS["device-cuda-without-gpu"] = (["--device", "cuda"], ("cuda", "no CUDA GPU"))
@@ -268,7 +270,7 @@ def failures(bad_files, empty_models, default_models, work) -> dict:
 @pytest.mark.parametrize("sub, flags", [
     ([], ["run", "pull", "models", "info"]),
     (["run"], ["--model", "--weights", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--system",
-               "--raw", "--threads", "--device", "--dtype"]),
+               "--raw", "--threads", "--device", "--dtype", "--kv-cache", "--kv-memory"]),
     (["pull"], ["model", "LOWBIT_MODELS"]),
     (["models"], ["LOWBIT_MODELS"]),
     (["info"], ["model", "--weights", "--device"]),
@@ -295,6 +297,15 @@ def test_tiny_model_runs(tiny_gguf, work, empty_models):
     last = r.stderr.rstrip("\n").splitlines()[-1]
     assert STATS.search(last) and "tiny.gguf" in last, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("kv", ["k8v4", "f16"])
+def test_tiny_model_runs_sampled_through_the_engine(kv, tiny_gguf, work, empty_models):
+    r = lowbit(["run", "--model", tiny_gguf, "--max-tokens", "6", "--temperature", "0.8", "--seed", "3",
+                "--kv-cache", kv, "--kv-memory", "4MiB", "hi"], empty_models, work)
+    assert r.returncode == 0, r.stderr
+    last = r.stderr.rstrip("\n").splitlines()[-1]
+    assert STATS.search(last) and f"kv {kv}]" in last, r.stderr
 
 
 def test_tiny_model_prompt_from_stdin(tiny_gguf, work, empty_models):
