@@ -5,7 +5,8 @@ written the moment it is computed and a page never has to be re-quantized (KIVI'
 need a whole group of tokens first). Before quantizing, a vector may be rotated by a normalized
 Hadamard matrix H (D a power of 2): attention is unchanged — (qH)(kH)^T = qk^T and P(vH)H^T = Pv —
 but the few outlier channels that keys and values carry (KVQuant, QuaRot) are spread over all D
-values, so one scale per group fits every value instead of being set by the outlier.
+values, so one scale per group fits every value instead of being set by the outlier (`rotation`:
+random signs, then H).
 
     int8  symmetric, one fp16 scale per `group` values      x = d * q,            q in -127..127
     int4  asymmetric, fp16 scale and min per `group` values  x = d * u + m,        u in 0..15
@@ -18,6 +19,15 @@ from __future__ import annotations
 import math
 
 import torch
+
+
+def rotation(D: int, device=None) -> torch.Tensor:
+    """The KV rotation: fp32 [D, D] = diag(s) @ H with fixed pseudo-random signs s (seed 0), the
+    randomized Hadamard of QuaRot. The signs decorrelate the outlier channels from H's rows: on the
+    default model k8v4 measured mean KL 0.00455 against 0.00492 with H alone."""
+    g = torch.Generator().manual_seed(0)
+    signs = torch.where(torch.rand(D, generator=g) < 0.5, -1.0, 1.0)
+    return (signs[:, None] * hadamard(D)).to(device)
 
 
 def hadamard(D: int, device=None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8, hadamard, quantize_int4, quantize_int8
+from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, rotation
 from lowbit.quant.kv import KVFormat
 
 GIB = 1 << 30
@@ -29,7 +29,7 @@ class KVPool:
             raise ValueError("the KV pool needs at least one page")
         self.fmt, self.page_size, self.num_pages = fmt, page_size, num_pages
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.rot = hadamard(head_dim, device) if fmt.rotates(head_dim) else None
+        self.rot = rotation(head_dim, device) if fmt.rotates(head_dim) else None  # [D, D] orthonormal
         self.sides = [{"k": self._alloc(fmt.k_bits, fmt.k_group, device),
                        "v": self._alloc(fmt.v_bits, fmt.v_group, device)} for _ in range(n_layers)]
 
@@ -89,7 +89,7 @@ class KVPool:
             else:
                 x = dequantize_int4(buf["codes"], buf["scales"], buf["mins"])
             if self.rot is not None and bits < 16:
-                x = x @ self.rot.T  # undo the rotation: H is orthonormal
+                x = x @ self.rot.T  # undo the rotation (orthonormal)
             x = x.transpose(0, 1).reshape(self.n_kv_heads, -1, self.head_dim)  # [Hkv, n*page, D]
             out.append(x[:, :length])
         return out[0], out[1]

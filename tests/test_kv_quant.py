@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8, hadamard, quantize_int4, quantize_int8
+from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8, hadamard, quantize_int4, quantize_int8, rotation
 from lowbit.quant.kv import KV_FORMATS, parse_kv_format
 from lowbit.runtime.kv_cache import KVPool
 
@@ -16,6 +16,9 @@ def test_hadamard_is_orthonormal_and_needs_a_power_of_two():
     assert set(H.abs().unique().tolist()) == {0.125}  # every entry is ±1/sqrt(64)
     with pytest.raises(ValueError, match="power-of-2"):
         hadamard(80)
+    R = rotation(64)
+    torch.testing.assert_close(R @ R.T, torch.eye(64), atol=1e-6, rtol=0)
+    assert torch.equal(R, rotation(64)) and not torch.equal(R.abs(), R)  # fixed, and signs are mixed
 
 
 def test_int8_hand_example():
