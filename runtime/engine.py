@@ -66,9 +66,12 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request (raises scheduler.QueueFull when the waiting queue is at its bound, and
-        ValueError for a prompt the context cannot hold)."""
+    def add_request(self, prompt: list[int] | list[dict], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request: token ids, or chat messages ({"role", "content"} dicts) rendered with the
+        model's chat template. Raises scheduler.QueueFull when the waiting queue is at its bound, and
+        ValueError for a prompt the context cannot hold."""
+        prompt_ids = (self.tok.encode_chat(prompt, add_generation_prompt=True)
+                      if prompt and isinstance(prompt[0], dict) else prompt)
         if not prompt_ids:
             raise ValueError("empty prompt")
         limit = self.model.config.max_seq_len

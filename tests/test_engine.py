@@ -37,6 +37,10 @@ class ByteTokenizer:
     def token_bytes(self, i: int) -> bytes:
         return b"" if i == 100 else bytes([i + 32])
 
+    def encode_chat(self, messages, add_generation_prompt=True) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return [min(ord(ch) - 32, 99) for ch in text]
+
 
 @pytest.fixture(scope="module")
 def model() -> Llama:
@@ -153,6 +157,14 @@ def test_finish_reasons_text_and_usage(model):
     by_id = run_all(eng, {"c": (p, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=(tokens_of(free)[2],)))})
     assert by_id["c"][-1].finish_reason == "stop" and tokens_of(by_id["c"]) == tokens_of(free)[:2]
     assert_all_pages_free(eng)
+
+
+def test_chat_messages_are_rendered_by_the_template(model):
+    eng = Engine(model, ByteTokenizer(), page_size=4)
+    msgs = [{"role": "user", "content": "hi"}]
+    by_msgs = run_all(eng, {"m": (msgs, GREEDY)})["m"]
+    by_ids = run_all(eng, {"i": (ByteTokenizer().encode_chat(msgs), GREEDY)})["i"]
+    assert tokens_of(by_msgs) == tokens_of(by_ids) and by_msgs[-1].usage.prompt_tokens == len("<user>hi<assistant>")
 
 
 def test_prefix_cache_hit_is_reported(model):
