@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kv-cache", default="k8v4", choices=("f16", "k8v8", "k8v4", "k4v4"),
                      help="KV cache format of the paged engine (default k8v4: 8-bit keys, 4-bit values)")
     run.add_argument("--kv-memory", default="256MiB",
-                     help="memory for the KV cache pool: bytes or a size like 512MiB, 2GiB (default 256MiB)")
+                     help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, or on CUDA a share "
+                          "of the free GPU memory like 90%% (default 256MiB)")
 
     pull = sub.add_parser("pull", help="download a model into the model cache",
                           description="Fetch a model by alias and verify its sha256. The cache is "
@@ -71,8 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_size(text: str) -> int:
-    """'1000000', '512MiB', '2GiB', '1.5G' → bytes (K/M/G are taken as binary units)."""
+def parse_size(text: str) -> int | float:
+    """'1000000', '512MiB', '2GiB', '1.5G' → bytes (K/M/G are taken as binary units); '90%' → 0.9
+    (a share of free GPU memory)."""
+    if text.strip().endswith("%"):
+        try:
+            share = float(text.strip()[:-1]) / 100
+        except ValueError:
+            share = -1.0
+        if not 0 < share < 1:
+            raise LowbitError(f"a memory share must be between 0% and 100%, got {text!r}")
+        return share
     units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("b").removesuffix("i")
     num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")

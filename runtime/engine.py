@@ -25,6 +25,17 @@ from lowbit.runtime.stop import StopMatcher
 DEFAULT_KV_MEMORY = 256 << 20  # bytes: 28,137 tokens of the default model in k8v4 (9,540 B/token)
 
 
+def kv_budget(kv_memory: int | float, device: torch.device) -> int:
+    """Bytes for the KV pool: a byte count, or a fraction (0, 1) of the GPU memory free right now
+    (after the weights are loaded), as vLLM's --gpu-memory-utilization but of free memory."""
+    if isinstance(kv_memory, float) and 0 < kv_memory < 1:
+        if device.type != "cuda":
+            raise ValueError("a KV memory fraction needs a GPU; on CPU give a size (e.g. 512MiB)")
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * kv_memory)
+    return int(kv_memory)
+
+
 @dataclass
 class Usage:
     prompt_tokens: int
@@ -52,13 +63,13 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, kv_format: str = DEFAULT_KV_FORMAT, kv_memory: int = DEFAULT_KV_MEMORY,
+    def __init__(self, model, tokenizer, kv_format: str = DEFAULT_KV_FORMAT, kv_memory: int | float = DEFAULT_KV_MEMORY,
                  page_size: int = 16, max_num_seqs: int = 16, max_step_tokens: int = 512, max_waiting: int = 256,
                  prefix_caching: bool = True, exact: bool | None = None):
         c = model.config
         self.model, self.tok, self.exact = model, tokenizer, exact
         self.pool = KVPool.from_budget(parse_kv_format(kv_format), c.n_layers, c.n_kv_heads, c.head_dim,
-                                       kv_memory, page_size, model.device)
+                                       kv_budget(kv_memory, model.device), page_size, model.device)
         self.blocks = BlockManager(self.pool.num_pages, page_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_step_tokens, max_waiting)
         self.requests: dict[str, _Request] = {}

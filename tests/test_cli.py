@@ -240,10 +240,12 @@ BAD_FLAGS = {
     "weights-int3": (["--weights", "int3"], ("int3",)),
     "device-tpu": (["--device", "tpu"], ("unknown device", "tpu")),
     "kv-memory-unreadable": (["--kv-memory", "lots"], ("lots",)),
+    "kv-memory-share-too-big": (["--kv-memory", "150%"], ("150%",)),
     "kv-memory-too-small": (["--kv-memory", "1000", "--temperature", "0.5"], ("holds no page",)),
 }
 if not torch.cuda.is_available():
     BAD_FLAGS["device-cuda-without-gpu"] = (["--device", "cuda"], ("cuda", "no CUDA GPU"))
+    BAD_FLAGS["kv-memory-share-on-cpu"] = (["--kv-memory", "50%", "--temperature", "0.5"], ("fraction needs a GPU",))
 
 
 @pytest.fixture(scope="module")
