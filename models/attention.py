@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lowbit.kernels.kv_write import kv_write
+from lowbit.kernels.paged_attention import batch_tensors, paged_attention
+
 
 @dataclass
 class PagedBatch:
@@ -62,12 +65,21 @@ class ContiguousAttention:
 
 
 class PagedAttention:
-    def __init__(self, pool, batch: PagedBatch, sliding_window: int | None):
-        self.pool, self.batch, self.window = pool, batch, sliding_window
+    """fused=False: the plain-torch path (CPU): the pool quantizes on write, then per sequence its
+    pages are gathered, dequantized and attended with masked SDPA. fused=True (CUDA): the Triton
+    kernels kernels/kv_write.py and kernels/paged_attention.py quantize in-kernel and read the
+    quantized pages directly, working in the rotated space (q rotated, output rotated back)."""
+
+    def __init__(self, pool, batch: PagedBatch, sliding_window: int | None, fused: bool = False):
+        self.pool, self.batch, self.window, self.fused = pool, batch, sliding_window, fused
+        if fused:
+            self.tensors = batch_tensors(batch.query_lens, batch.context_lens, batch.block_tables,
+                                         batch.positions.device)  # once per step, not per layer
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [M, H, D], k/v [M, Hkv, D] → fp32 [M, H*D]. The plain-torch path: per sequence, gather
-        and dequantize its pages, then masked SDPA (kernels/ will read the pages directly)."""
+        """q [M, H, D], k/v [M, Hkv, D] → fp32 [M, H*D]."""
+        if self.fused:
+            return self._fused(layer, q, k, v)
         b = self.batch
         self.pool.write(layer, k, v, b.slots)
         M, H, D = q.shape
@@ -85,3 +97,21 @@ class PagedAttention:
             out[row:row + n] = o.transpose(0, 1)  # [n, H, D]
             row += n
         return out.reshape(M, H * D)
+
+    def _fused(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pool, b, fmt = self.pool, self.batch, self.pool.fmt
+        D = pool.head_dim
+        rot = pool.rot  # [D, D] or None; applied to the quantized sides only (f16 is never rotated)
+        sides = pool.sides[layer]
+        for name, x, bits, group in (("k", k, fmt.k_bits, fmt.k_group), ("v", v, fmt.v_bits, fmt.v_group)):
+            x = x.float() @ rot if rot is not None and bits < 16 else x
+            kv_write(x, b.slots, sides[name], bits, fmt.group(bits, group, D), pool.page_size)
+        rotated = rot is not None and fmt.k_bits < 16 and fmt.v_bits < 16
+        cu, ctx, tables = self.tensors
+        out = paged_attention(q.float() @ rot if rotated else q, sides["k"], sides["v"], fmt.k_bits, fmt.v_bits,
+                              fmt.group(fmt.k_bits, fmt.k_group, D), fmt.group(fmt.v_bits, fmt.v_group, D),
+                              cu, ctx, b.positions, tables, pool.page_size, sliding_window=self.window,
+                              max_query_len=max(b.query_lens))  # fp32 [M, H, D]
+        if rotated:
+            out = out @ rot.T
+        return out.reshape(q.shape[0], -1)

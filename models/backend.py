@@ -34,11 +34,12 @@ class Backend:
     add_rms_norm: Callable  # (x, residual | None, weight, eps, out_dtype) → (normed, residual fp32)
     rotary: Callable  # (q [M, H, D], k [M, Hkv, D], cos, sin [M, D]) → (q, k)
     silu_mul: Callable  # (gate, up [M, I]) → [M, I]
+    fused_paged_attention: bool  # paged KV read by kernels (models/attention.py) or gathered by torch
 
 
 def torch_backend() -> Backend:
     return Backend("torch", torch.device("cpu"), torch.float32, CPU_KERNELS,
-                   rms_norm.add_rms_norm_ref, rotary.rotary_ref, silu_mul.silu_mul_ref)
+                   rms_norm.add_rms_norm_ref, rotary.rotary_ref, silu_mul.silu_mul_ref, False)
 
 
 def triton_backend(device: str | torch.device = "cuda", dtype: str = "float16") -> Backend:
@@ -46,7 +47,7 @@ def triton_backend(device: str | torch.device = "cuda", dtype: str = "float16") 
         raise RuntimeError("the CUDA path needs Triton (it comes with CUDA builds of torch; pip install triton)")
     device = torch.device(device)
     return Backend("triton", device, DTYPES[dtype], triton_kernels(device),
-                   rms_norm.add_rms_norm, rotary.rotary_, silu_mul.silu_mul)
+                   rms_norm.add_rms_norm, rotary.rotary_, silu_mul.silu_mul, True)
 
 
 def default_device() -> str:

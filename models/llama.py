@@ -153,7 +153,7 @@ class Llama(nn.Module):
         """The engine's step: tokens int [M] of several sequences (see PagedBatch), K/V written to
         and read from the paged pool (runtime/kv_cache.py) → logits fp32 [R, V] for batch.logits_rows."""
         cos, sin = rope_tables(self.inv_freq, batch.positions)  # [M, D]
-        attend = PagedAttention(pool, batch, self.config.sliding_window)
+        attend = PagedAttention(pool, batch, self.config.sliding_window, fused=self.backend.fused_paged_attention)
         return self._run(tokens, cos, sin, attend, batch.logits_rows, exact)
 
     def _run(self, tokens: torch.Tensor, cos, sin, attend, rows: torch.Tensor | None,

@@ -1,0 +1,401 @@
+"""The KV cache's Triton kernels — quantize-on-write (kernels/kv_write.py) and paged attention over
+the quantized pages (kernels/paged_attention.py) — against their `_ref` specs, and the specs against
+the pool and attention the engine runs today (runtime/kv_cache.py, models/attention.py) and an
+independent oracle (SDPA over contiguous K/V).
+
+On CPU the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without
+CUDA); on a GPU machine the `cuda` cases run and the `cpu` ones skip. Shapes are small and odd:
+pages of 16 and 4 tokens, D = 64 and 16, 4 heads / 2 KV heads and 9 / 3 (SmolLM2's ratio, padded to
+4 rows per token in the tile), contexts of 1, 5 and 37 tokens (partial last pages), decodes and
+prefill chunks in one batch, pages scattered out of order over the pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from lowbit.kernels.kv_write import kv_write, kv_write_ref
+from lowbit.kernels.paged_attention import batch_tensors, paged_attention, paged_attention_ref
+from lowbit.kernels.triton_import import interpreting
+from lowbit.models.attention import PagedAttention, PagedBatch
+from lowbit.quant.kv import KV_FORMATS, KVFormat
+from lowbit.runtime.kv_cache import KVPool
+
+# (atol, rtol) of paged_attention's fp32 output against paged_attention_ref, by q's dtype. q of any
+# dtype is exact in fp32 and both sides widen it first, so the dtype changes the inputs, not the
+# arithmetic: both are fp32 throughout (IEEE fp32 dots) and differ by the online softmax's order of
+# operations and, on the GPU, the approximate exp and fused multiply-adds — a few fp32 ulps. Measured
+# under the interpreter: at most 2.3e-6 on outputs of magnitude up to 3 (2^-24 * 3 = 1.8e-7 an ulp).
+TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-5, 1e-5),
+    torch.bfloat16: (1e-5, 1e-5),
+}
+DTYPES = list(TOL)
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not interpreting(),
+                                                 reason="CPU runs kernels only under TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+FORMATS = [KV_FORMATS[name] for name in ("f16", "k8v8", "k8v4", "k4v4")]
+# (page_size, D, H, Hkv)
+SHAPES = [(16, 64, 4, 2), (4, 16, 9, 3)]
+# (context_len, query_len): decodes over 1, 5 and 37 cached tokens (37 = a partial last page of 16
+# and of 4), a 6-token prefill chunk continuing 31 cached tokens, a fresh 5-token prefill.
+SEQS = [(1, 1), (5, 1), (37, 1), (37, 6), (5, 5)]
+
+
+def groups(fmt: KVFormat, D: int) -> tuple[int, int]:
+    return fmt.group(fmt.k_bits, fmt.k_group, D), fmt.group(fmt.v_bits, fmt.v_group, D)
+
+
+def alloc_side(P: int, Hkv: int, page: int, D: int, bits: int, group: int, gen: torch.Generator,
+               device) -> dict[str, torch.Tensor]:
+    """One pool side in runtime/kv_cache.py's layout, filled with garbage — NaN scales and data, random
+    codes — so that a kernel reading a slot it should not shows up as NaN or a wrong value."""
+    nan = lambda *s: torch.full(s, float("nan"), dtype=torch.float16, device=device)  # noqa: E731
+    if bits == 16:
+        return {"data": nan(P, Hkv, page, D)}
+    G = D // group
+    side = {"scales": nan(P, Hkv, page, G)}
+    if bits == 8:
+        side["codes"] = torch.randint(-128, 128, (P, Hkv, page, D), generator=gen, dtype=torch.int8).to(device)
+    else:
+        side["codes"] = torch.randint(0, 256, (P, Hkv, page, D // 2), generator=gen, dtype=torch.uint8).to(device)
+        side["mins"] = nan(P, Hkv, page, G)
+    return side
+
+
+# ---- kv_write -------------------------------------------------------------------------------------
+
+# (bits, group before the cap at D): one group per head, several groups, int4's pairs
+WRITE_FORMATS = [(16, 0), (8, 64), (8, 16), (4, 32), (4, 8)]
+
+
+def write_inputs(M, Hkv, D, page, P, *, gen, dtype):
+    """x [M, Hkv, D] as a column slice of a wider buffer (strides ((Hkv + 1) D, D, 1)), scattered slots.
+    Row 0 is all zeros (scale 0) and row 1 constant (int4: hi = lo, so hi - fp16(lo) may be < 0)."""
+    wide = torch.randn(M, Hkv + 1, D, generator=gen) * 3
+    wide[:, :, 5] *= 20  # an outlier channel sets its group's scale
+    wide[0] = 0
+    wide[1] = 0.1
+    slots = torch.randperm(P * page, generator=gen)[:M]
+    return wide.to(dtype)[:, 1:], slots
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("bits", "group"), WRITE_FORMATS)
+@pytest.mark.parametrize(("page", "D", "H", "Hkv"), SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_write_matches_ref_bit_for_bit(device, bits, group, page, D, H, Hkv, dtype):
+    group = D if bits == 16 else min(group, D)
+    gen = torch.Generator().manual_seed(bits * 100 + group + D)
+    P, M = 7, 11
+    x, slots = write_inputs(M, Hkv, D, page, P, gen=gen, dtype=dtype)
+    want = alloc_side(P, Hkv, page, D, bits, group, gen, "cpu")
+    got = {name: t.to(device, copy=True) for name, t in want.items()}  # a copy, also on the CPU
+    # The spec is the CPU's: torch on CUDA divides by a Python scalar as a multiply by its reciprocal
+    # (kernels/kv_write.py), so the reference runs here whatever the kernel's device.
+    kv_write_ref(x, slots, want, bits, group, page)
+    kv_write(x.to(device), slots.to(device), got, bits, group, page)
+    for name in want:  # every slot, bytewise: the written ones equal, the others untouched (NaN kept)
+        assert torch.equal(got[name].cpu().view(torch.uint8), want[name].view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_write_rounds_half_to_even(device):
+    """Independent oracle, hand values: scale 1 (int8: amax 127; int4: lo 0, hi 15) puts the codes
+    at x itself, and the halves round to even as torch.round does."""
+    x8 = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])
+    x4 = torch.tensor([0.0, 15.0, 0.5, 1.5, 2.5, 13.5, 14.5, 7.5])
+    side8 = {"codes": torch.zeros(1, 1, 1, 8, dtype=torch.int8, device=device),
+             "scales": torch.zeros(1, 1, 1, 1, dtype=torch.float16, device=device)}
+    side4 = {"codes": torch.zeros(1, 1, 1, 4, dtype=torch.uint8, device=device),
+             "scales": torch.zeros(1, 1, 1, 1, dtype=torch.float16, device=device),
+             "mins": torch.ones(1, 1, 1, 1, dtype=torch.float16, device=device)}
+    slot = torch.zeros(1, dtype=torch.int64, device=device)
+    kv_write(x8.view(1, 1, 8).to(device), slot, side8, 8, 8, 1)
+    kv_write(x4.view(1, 1, 8).to(device), slot, side4, 4, 8, 1)
+    assert side8["codes"].flatten().tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+    assert side8["scales"].item() == 1.0
+    u = [0, 15, 0, 2, 2, 14, 14, 8]
+    assert side4["codes"].flatten().tolist() == [u[i] | u[i + 1] << 4 for i in range(0, 8, 2)]
+    assert side4["scales"].item() == 1.0 and side4["mins"].item() == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kv_write_near_ties(device, bits):
+    """Values on and a hair from the halfway points (k + 0.5) * d, d an fp16 scale that the group's
+    amax reproduces exactly. Where d is not a power of 2, x * fl(1/d) lands an ulp or two from
+    k + 0.5 and the reciprocal's and the product's roundings decide; where it is (every fourth
+    group), x * (1/d) is an exact tie and half-to-even decides. 1024 values, codes equal to the spec's."""
+    gen = torch.Generator().manual_seed(bits)
+    M, Hkv, D, group = 16, 2, 32, 32
+    scale = (torch.rand(M, Hkv, 1, generator=gen) * 0.1 + 0.01).half().float()
+    scale[::4] = 2.0 ** -torch.randint(3, 7, scale[::4].shape, generator=gen).float()  # exact ties: 1/d exact
+    levels = torch.randint(-126, 126, (M, Hkv, D), generator=gen) if bits == 8 else \
+        torch.randint(0, 15, (M, Hkv, D), generator=gen)
+    hair = (torch.rand(M, Hkv, D, generator=gen) - 0.5) * 4e-6 * (torch.rand(M, Hkv, D, generator=gen) < 0.5)
+    x = (levels + 0.5 + hair) * scale
+    x[..., 0] = (127 if bits == 8 else 0) * scale[..., 0]
+    x[..., 1] = (-127 if bits == 8 else 15) * scale[..., 0]
+    want = alloc_side(M, Hkv, 1, D, bits, group, gen, "cpu")
+    got = {name: t.to(device, copy=True) for name, t in want.items()}  # a copy, also on the CPU
+    slots = torch.arange(M)
+    kv_write_ref(x, slots, want, bits, group, 1)
+    kv_write(x.to(device), slots.to(device), got, bits, group, 1)
+    for name in want:
+        assert torch.equal(got[name].cpu(), want[name]), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_kv_write_is_kvpool_write(device, fmt):
+    """Wired as KVPool.write would use it: rotate (x @ rot, fp32) when the format does, then kv_write
+    per side with the format's capped group — the same bytes as the pool's own write."""
+    gen = torch.Generator().manual_seed(11)
+    D, Hkv, M = 64, 3, 9
+    pool = KVPool(fmt, n_layers=1, n_kv_heads=Hkv, head_dim=D, num_pages=5, page_size=4)
+    k, v = torch.randn(M, Hkv, D, generator=gen), torch.randn(M, Hkv, D, generator=gen)
+    slots = torch.randperm(20, generator=gen)[:M]
+    sides = {name: {key: t.clone().to(device) for key, t in side.items()} for name, side in pool.sides[0].items()}
+    pool.write(0, k, v, slots)
+    for name, x, bits, group in (("k", k, fmt.k_bits, fmt.k_group), ("v", v, fmt.v_bits, fmt.v_group)):
+        if bits < 16 and pool.rot is not None:
+            x = x.float() @ pool.rot
+        kv_write(x.to(device), slots.to(device), sides[name], bits, fmt.group(bits, group, D), pool.page_size)
+        for key, t in sides[name].items():
+            assert torch.equal(t.cpu(), pool.sides[0][name][key]), (name, key)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_write_bad_inputs(device):
+    side = alloc_side(2, 2, 4, 64, 8, 64, torch.Generator(), device)
+    x, slots = torch.zeros(3, 2, 64, device=device), torch.arange(3, device=device)
+    with pytest.raises(ValueError, match="x must be"):
+        kv_write(x[0], slots, side, 8, 64, 4)
+    with pytest.raises(ValueError, match="slots"):
+        kv_write(x, slots.int(), side, 8, 64, 4)
+    with pytest.raises(ValueError, match="page_size"):
+        kv_write(x, slots, side, 8, 64, 16)
+    with pytest.raises(ValueError, match="KV heads"):
+        kv_write(torch.zeros(3, 3, 64, device=device), slots, side, 8, 64, 4)
+    with pytest.raises(ValueError, match="holds"):
+        kv_write(x, slots, side, 4, 64, 4)  # an int8 side written as int4
+    with pytest.raises(ValueError, match="scales must be"):
+        kv_write(x, slots, side, 8, 32, 4)  # scales [.., 1] do not make groups of 32
+    with pytest.raises(ValueError, match="divide"):
+        kv_write(x, slots, side, 8, 48, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        kv_write(torch.zeros(3, 64, 2, device=device).transpose(1, 2), slots, side, 8, 64, 4)
+
+
+# ---- paged_attention ------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # [M, H, D]
+    k: list[torch.Tensor]  # per sequence fp32 [ctx, Hkv, D] as written (before quantizing)
+    v: list[torch.Tensor]
+    buf_k: dict[str, torch.Tensor]
+    buf_v: dict[str, torch.Tensor]
+    tables: list[torch.Tensor]  # int64 page ids per sequence
+    positions: torch.Tensor  # int64 [M]
+    seqs: list[tuple[int, int]]
+
+    def args(self, fmt: KVFormat, page: int) -> dict:
+        D, device = self.q.shape[2], self.q.device
+        cu, ctx, bt = batch_tensors([n for _, n in self.seqs], [c for c, _ in self.seqs], self.tables, device)
+        kg, vg = groups(fmt, D)
+        return {"q": self.q, "buf_k": self.buf_k, "buf_v": self.buf_v, "k_bits": fmt.k_bits,
+                "v_bits": fmt.v_bits, "k_group": kg, "v_group": vg, "cu_query_lens": cu, "context_lens": ctx,
+                "positions": self.positions, "block_tables": bt, "page_size": page}
+
+
+def make_batch(fmt: KVFormat, page: int, D: int, H: int, Hkv: int, seqs, *, gen, device,
+               dtype=torch.float32, strided_q=False) -> Batch:
+    """Every sequence's K/V already in the pool (this step's included), written by the spec through
+    a block table that is a slice of a random permutation of the pool's pages (plus 3 spare pages
+    left as garbage); q [M, H, D] for the positions ctx - n .. ctx - 1."""
+    n_pages = [-(-c // page) for c, _ in seqs]
+    P = sum(n_pages) + 3
+    order = torch.randperm(P, generator=gen)
+    tables = [order[sum(n_pages[:s]): sum(n_pages[: s + 1])] for s in range(len(seqs))]
+    kg, vg = groups(fmt, D)
+    buf_k = alloc_side(P, Hkv, page, D, fmt.k_bits, kg, gen, "cpu")
+    buf_v = alloc_side(P, Hkv, page, D, fmt.v_bits, vg, gen, "cpu")
+    ks, vs = [], []
+    for (ctx, _), table in zip(seqs, tables):
+        k = torch.randn(ctx, Hkv, D, generator=gen) * 2
+        k[:, :, 3] += 4  # a key channel with an offset: peaked softmax rows, as real keys give
+        v = torch.randn(ctx, Hkv, D, generator=gen)
+        slots = table.repeat_interleave(page) * page + torch.arange(page).repeat(len(table))  # [pages * page]
+        kv_write_ref(k, slots[:ctx], buf_k, fmt.k_bits, kg, page)
+        kv_write_ref(v, slots[:ctx], buf_v, fmt.v_bits, vg, page)
+        ks.append(k)
+        vs.append(v)
+    M = sum(n for _, n in seqs)
+    if strided_q:  # q as the first H heads of a fused [M, (H + 2 Hkv) D] projection output
+        q = torch.randn(M, H + 2 * Hkv, D, generator=gen)[:, :H]
+    else:
+        q = torch.randn(M, H, D, generator=gen)
+    positions = torch.cat([torch.arange(c - n, c) for c, n in seqs])
+    to = lambda side: {name: t.to(device) for name, t in side.items()}  # noqa: E731
+    return Batch(q.to(device, dtype), ks, vs, to(buf_k), to(buf_v), tables, positions.to(device), list(seqs))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == expected.dtype == torch.float32 and actual.shape == expected.shape
+    assert torch.isfinite(actual).all()
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize(("page", "D", "H", "Hkv"), SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_matches_ref(device, fmt, page, D, H, Hkv, dtype):
+    gen = torch.Generator().manual_seed(page + D + H)
+    b = make_batch(fmt, page, D, H, Hkv, SEQS, gen=gen, device=device, dtype=dtype, strided_q=dtype == torch.float16)
+    args = b.args(fmt, page)
+    got = paged_attention(**args)
+    assert_close(got, paged_attention_ref(**args), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize(("page", "D", "H", "Hkv"), SHAPES)
+def test_paged_attention_sliding_window_small_tiles(device, fmt, page, D, H, Hkv):
+    """A window of 7 (the 37-token rows see 7 keys, the first key tile starts mid-page), 2 query
+    tokens per tile (the 6-token chunk takes 3 programs, the decodes' second and third stop at
+    once), 16 keys per tile, and a scale that is not 1/sqrt(D)."""
+    gen = torch.Generator().manual_seed(7 * D + page)
+    b = make_batch(fmt, page, D, H, Hkv, SEQS, gen=gen, device=device)
+    args = b.args(fmt, page) | {"sliding_window": 7, "scale": 0.3}
+    got = paged_attention(**args, block_m=2, block_n=16)
+    assert_close(got, paged_attention_ref(**args), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 1])
+def test_paged_attention_decode_batch(device, window):
+    """A CUDA-graph style decode step: max_query_len given, one sequence bringing no query (its
+    programs stop at once), bf16 q; window 1 leaves each query its own key only: out = v_self."""
+    fmt, page, D, H, Hkv = KV_FORMATS["k8v4"], 16, 64, 9, 3
+    gen = torch.Generator().manual_seed(3)
+    seqs = [(20, 1), (5, 0), (33, 1), (1, 1)]
+    b = make_batch(fmt, page, D, H, Hkv, seqs, gen=gen, device=device, dtype=torch.bfloat16)
+    args = b.args(fmt, page) | {"sliding_window": window}
+    got = paged_attention(**args, max_query_len=1)
+    want = paged_attention_ref(**args)
+    assert_close(got, want, torch.bfloat16)
+    if window == 1:
+        v_self = torch.stack([dequantize_int4(*quantize_int4(v[-1], 32)) for v in b.v[:1] + b.v[2:]])  # [3, Hkv, D]
+        torch.testing.assert_close(got.cpu(), v_self.repeat_interleave(H // Hkv, dim=1), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_attention_ref_is_models_paged_attention(fmt, window):
+    """The spec is what the engine computes today: models/attention.py's PagedAttention over the
+    KVPool, with the format's rotation switched off (rotating q and un-rotating out is the caller's)."""
+    plain = KVFormat(fmt.name, fmt.k_bits, fmt.v_bits, fmt.k_group, fmt.v_group, rotate=False)
+    page, D, H, Hkv = 4, 64, 9, 3
+    gen = torch.Generator().manual_seed(5)
+    n_pages = [-(-c // page) for c, _ in SEQS]
+    pool = KVPool(plain, n_layers=2, n_kv_heads=Hkv, head_dim=D, num_pages=sum(n_pages) + 2, page_size=page)
+    order = torch.randperm(pool.num_pages, generator=gen)
+    tables = [order[sum(n_pages[:s]): sum(n_pages[: s + 1])] for s in range(len(SEQS))]
+    new_slots = []
+    for (ctx, n), table in zip(SEQS, tables):  # the cached part of each context, as earlier steps wrote it
+        slots = (table.repeat_interleave(page) * page + torch.arange(page).repeat(len(table)))[:ctx]
+        pool.write(1, torch.randn(ctx - n, Hkv, D, generator=gen), torch.randn(ctx - n, Hkv, D, generator=gen),
+                   slots[: ctx - n])
+        new_slots.append(slots[ctx - n:])
+    M = sum(n for _, n in SEQS)
+    q, k, v = (torch.randn(M, h, D, generator=gen) for h in (H, Hkv, Hkv))
+    positions = torch.cat([torch.arange(c - n, c) for c, n in SEQS])
+    batch = PagedBatch(positions, torch.cat(new_slots), [n for _, n in SEQS], [c for c, _ in SEQS], tables,
+                       torch.arange(M))
+    want = PagedAttention(pool, batch, window)(1, q, k, v).view(M, H, D)  # writes k, v, then attends
+    cu, ctx, bt = batch_tensors(batch.query_lens, batch.context_lens, tables, "cpu")
+    kg, vg = groups(plain, D)
+    got = paged_attention_ref(q, pool.sides[1]["k"], pool.sides[1]["v"], plain.k_bits, plain.v_bits, kg, vg,
+                              cu, ctx, positions, bt, page, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # explicit softmax against SDPA's
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_paged_attention_ref_against_sdpa(fmt):
+    """Independent oracle: per sequence, K/V quantized and dequantized as contiguous [ctx, Hkv, D]
+    tensors (no pages, no block tables), then F.scaled_dot_product_attention with GQA and an explicit
+    causal mask by position."""
+    page, D, H, Hkv = 4, 16, 9, 3
+    gen = torch.Generator().manual_seed(9)
+    b = make_batch(fmt, page, D, H, Hkv, SEQS, gen=gen, device="cpu")
+    got = paged_attention_ref(**b.args(fmt, page))
+    kg, vg = groups(fmt, D)
+    roundtrip = {16: lambda x, g: x.half().float(),
+                 8: lambda x, g: dequantize_int8(*quantize_int8(x, g)),
+                 4: lambda x, g: dequantize_int4(*quantize_int4(x, g))}
+    row = 0
+    for (ctx, n), k, v in zip(SEQS, b.k, b.v):
+        kd = roundtrip[fmt.k_bits](k, kg).transpose(0, 1)  # [Hkv, ctx, D]
+        vd = roundtrip[fmt.v_bits](v, vg).transpose(0, 1)
+        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]  # [n, ctx]
+        want = F.scaled_dot_product_attention(b.q[row:row + n].transpose(0, 1), kd, vd, attn_mask=mask,
+                                              enable_gqa=True).transpose(0, 1)  # [n, H, D]
+        torch.testing.assert_close(got[row:row + n], want, atol=1e-5, rtol=1e-5)
+        row += n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_bad_inputs_and_empty_batch(device):
+    fmt, page, D, H, Hkv = KV_FORMATS["k8v4"], 4, 16, 4, 2
+    b = make_batch(fmt, page, D, H, Hkv, [(5, 2)], gen=torch.Generator().manual_seed(0), device=device)
+    args = b.args(fmt, page)
+    with pytest.raises(ValueError, match="q must be"):
+        paged_attention(**(args | {"q": b.q[0]}))
+    with pytest.raises(ValueError, match="evenly"):
+        paged_attention(**(args | {"q": torch.zeros(2, 3, D, device=device)}))
+    with pytest.raises(ValueError, match="page_size"):
+        paged_attention(**(args | {"page_size": 16}))
+    with pytest.raises(ValueError, match="positions"):
+        paged_attention(**(args | {"positions": b.positions.int()}))
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention(**(args | {"block_tables": args["block_tables"].long()}))
+    with pytest.raises(ValueError, match="cu_query_lens"):
+        paged_attention(**(args | {"cu_query_lens": args["cu_query_lens"][:1]}))
+    with pytest.raises(ValueError, match="holds"):
+        paged_attention(**(args | {"k_bits": 4}))
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention(**(args | {"sliding_window": 0}))
+    empty = args | {"q": b.q[:0], "positions": b.positions[:0],
+                    "cu_query_lens": torch.zeros(2, dtype=torch.int32, device=device)}
+    assert paged_attention(**empty).shape == (0, H, D)
+
+
+def test_launchers_refuse_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fmt, page = KV_FORMATS["k8v4"], 4
+    b = make_batch(fmt, page, 16, 4, 2, [(5, 2)], gen=torch.Generator().manual_seed(0), device="cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        paged_attention(**b.args(fmt, page))
+    with pytest.raises(ValueError, match="CUDA"):
+        kv_write(torch.zeros(2, 2, 16), torch.arange(2), b.buf_k, 8, 16, page)
+
+
+def test_batch_tensors_from_paged_batch_lists():
+    cu, ctx, bt = batch_tensors([3, 1], [7, 2], [torch.tensor([4, 1]), torch.tensor([0])], "cpu")
+    assert cu.tolist() == [0, 3, 4] and ctx.tolist() == [7, 2] and bt.tolist() == [[4, 1], [0, 0]]
+    assert cu.dtype == ctx.dtype == bt.dtype == torch.int32
+    assert math.prod(batch_tensors([], [], [], "cpu")[2].shape) == 0
