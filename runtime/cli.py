@@ -1,4 +1,4 @@
-"""The `lowbit` command: run, pull, models, info.
+"""The `lowbit` command: run, serve, pull, models, info.
 
 Every user-facing failure is a LowbitError (or a bad flag value) and ends as one line on stderr
 with exit status 1 — never a traceback (set LOWBIT_DEBUG=1 to see one).
@@ -54,6 +54,28 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kv-memory", default="256MiB",
                      help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, or on CUDA a share "
                           "of the free GPU memory like 90%% (default 256MiB)")
+
+    serve = sub.add_parser("serve", help="serve the model on an OpenAI-compatible HTTP port",
+                           description="Load the model and serve /v1/chat/completions, /v1/completions and "
+                                       "/v1/models (OpenAI's API) plus /health. Point OpenAI clients at the "
+                                       "logged base URL (OPENAI_BASE_URL).")
+    serve.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                       help="alias, .gguf path or HF directory (same as --model)")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' (default: $LOWBIT_API_KEY; none when unset)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send and /v1/models lists (default: the model's file name)")
+    serve.add_argument("--kv-cache", default="k8v4", choices=("f16", "k8v8", "k8v4", "k4v4"),
+                       help="KV cache format of the paged engine (default k8v4)")
+    serve.add_argument("--kv-memory", default="256MiB",
+                       help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, or on CUDA a share "
+                            "of the free GPU memory like 90%% (default 256MiB)")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="most requests decoded together (default 16)")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="log level (default info)")
 
     pull = sub.add_parser("pull", help="download a model into the model cache",
                           description="Fetch a model by alias and verify its sha256. The cache is "
@@ -178,6 +200,47 @@ def _engine_run(lm, ids, params, kv_format, kv_memory, write):
     return GenerationResult(out, "".join(pieces), len(ids), t_first - t0, (t_last or t_first) - t_first, finish)
 
 
+def cmd_serve(args) -> int:
+    import logging
+
+    try:
+        import uvicorn
+
+        from lowbit.runtime.server import build_app
+    except ImportError as e:
+        raise LowbitError(f"`lowbit serve` needs fastapi and uvicorn ({e})") from None
+    from lowbit.runtime.engine import AsyncEngine, Engine
+    from lowbit.runtime.loader import load
+
+    if not 0 < args.port < 65536:
+        raise LowbitError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_num_seqs < 1:
+        raise LowbitError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kv_memory = parse_size(args.kv_memory)
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("LOWBIT_API_KEY") or None)
+    lm = load(args.model_pos or args.model, args.weights, device=args.device, dtype=args.dtype)
+    try:
+        engine = Engine(lm.model, lm.tokenizer, kv_format=args.kv_cache, kv_memory=kv_memory,
+                        max_num_seqs=args.max_num_seqs)
+    except ValueError as e:
+        raise LowbitError(str(e)) from None
+    name = args.served_model_name or lm.path.name
+    app = build_app(AsyncEngine(engine), lm.tokenizer, name, lm.config.max_seq_len, api_key)
+    url = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                logging.getLogger("lowbit.server").info(
+                    "serving %s at %s (export OPENAI_BASE_URL=%s)%s", name, url, url,
+                    "" if api_key else "; no API key required")
+
+    _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    return 0
+
+
 def cmd_pull(args) -> int:
     from lowbit.runtime.registry import pull
 
@@ -214,7 +277,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-COMMANDS = MappingProxyType({"run": cmd_run, "pull": cmd_pull, "models": cmd_models, "info": cmd_info})
+COMMANDS = MappingProxyType({"run": cmd_run, "serve": cmd_serve, "pull": cmd_pull, "models": cmd_models, "info": cmd_info})
 
 
 def main(argv: list[str] | None = None) -> int:
