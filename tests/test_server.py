@@ -54,7 +54,10 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     model = Llama(CFG, random_weights(CFG, "int4-g32", "int8-g32", seed=0, scale=0.1)).eval()
-    engine = Engine(model, ByteTokenizer(), kv_memory=4 << 20, max_num_seqs=8)
+    # exact matmuls: the default CPU path picks its kernel by the step's row count (fused bf16 below
+    # 16 rows, exact fp32 from 16), so a reply could depend on what else is in the batch; the tests
+    # compare concurrent replies with solo ones
+    engine = Engine(model, ByteTokenizer(), kv_memory=4 << 20, max_num_seqs=8, exact=True)
     run = engine._run
 
     def slow_run(scheduled):  # a few ms per step, so a dropped stream is still running when it drops
@@ -249,7 +252,7 @@ def test_async_client_concurrent_streams(server):
 
     async def main():
         c = openai.AsyncOpenAI(base_url=server[1], api_key=KEY, max_retries=0, timeout=30)
-        prompts = [f"prompt number {i}" for i in range(6)]
+        prompts = [f"prompt number {i}" for i in range(16)]
 
         async def one(p):
             s = await c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": p}],
@@ -265,6 +268,55 @@ def test_async_client_concurrent_streams(server):
 
     streamed, single = asyncio.run(main())
     assert streamed == single and all(len(t) == 8 for t in streamed)
+
+
+def test_eight_streams_four_dropped(server):
+    """8 streams open at once, 4 dropped after a few chunks: the other 4 complete with their solo
+    text, the KV pool ends fully free, and /metrics counts the 4 aborts."""
+    import asyncio
+
+    engine, base = server
+    metrics_url = base.removesuffix("/v1") + "/metrics"
+
+    def aborts() -> float:
+        for line in httpx.get(metrics_url).text.splitlines():
+            if line.startswith('lowbit_requests_finished_total{finish_reason="abort"}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = aborts()
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=30)
+
+        async def one(i: int):
+            msgs = [{"role": "user", "content": f"stream {i}"}]
+            s = await c.chat.completions.create(model=NAME, messages=msgs, temperature=0, max_tokens=40,
+                                                logit_bias=NO_EOS, stream=True)
+            text, n = "", 0
+            async for ch in s:
+                n += 1
+                if ch.choices:
+                    text += ch.choices[0].delta.content or ""
+                if i % 2 and n == 3:
+                    await s.close()  # drop it
+                    return None
+            return text
+
+        got = await asyncio.gather(*(one(i) for i in range(8)))
+        solo = [(await c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": f"stream {i}"}],
+                                                 temperature=0, max_tokens=40, logit_bias=NO_EOS))
+                .choices[0].message.content for i in range(0, 8, 2)]
+        await c.close()
+        return got, solo
+
+    got, solo = asyncio.run(main())
+    assert got[1::2] == [None] * 4 and got[0::2] == solo
+    deadline = time.time() + 5
+    while (engine.blocks.num_used_pages or engine.requests) and time.time() < deadline:
+        time.sleep(0.02)
+    assert engine.blocks.num_used_pages == 0 and not engine.requests
+    assert aborts() - before == 4
 
 
 def test_serve_help_lists_its_flags():
