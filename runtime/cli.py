@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, or on CUDA a share "
                             "of the free GPU memory like 90%% (default 256MiB)")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="most requests decoded together (default 16)")
+    serve.add_argument("--ctx-size", type=int, default=None,
+                       help="most tokens per request, prompt and reply together (default: the model's context)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level (default info)")
 
@@ -222,11 +224,11 @@ def cmd_serve(args) -> int:
     lm = load(args.model_pos or args.model, args.weights, device=args.device, dtype=args.dtype)
     try:
         engine = Engine(lm.model, lm.tokenizer, kv_format=args.kv_cache, kv_memory=kv_memory,
-                        max_num_seqs=args.max_num_seqs)
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.ctx_size)
     except ValueError as e:
         raise LowbitError(str(e)) from None
     name = args.served_model_name or lm.path.name
-    app = build_app(AsyncEngine(engine), lm.tokenizer, name, lm.config.max_seq_len, api_key)
+    app = build_app(AsyncEngine(engine), lm.tokenizer, name, engine.max_model_len, api_key)
     url = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
 
     class _Server(uvicorn.Server):

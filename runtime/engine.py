@@ -65,9 +65,12 @@ class _Request:
 class Engine:
     def __init__(self, model, tokenizer, kv_format: str = DEFAULT_KV_FORMAT, kv_memory: int | float = DEFAULT_KV_MEMORY,
                  page_size: int = 16, max_num_seqs: int = 16, max_step_tokens: int = 512, max_waiting: int = 256,
-                 prefix_caching: bool = True, exact: bool | None = None):
+                 prefix_caching: bool = True, exact: bool | None = None, max_model_len: int | None = None):
         c = model.config
+        if max_model_len is not None and not 0 < max_model_len <= c.max_seq_len:
+            raise ValueError(f"the context size must be in 1..{c.max_seq_len} (the model's), got {max_model_len}")
         self.model, self.tok, self.exact = model, tokenizer, exact
+        self.max_model_len = max_model_len or c.max_seq_len  # prompt + reply, in tokens
         self.pool = KVPool.from_budget(parse_kv_format(kv_format), c.n_layers, c.n_kv_heads, c.head_dim,
                                        kv_budget(kv_memory, model.device), page_size, model.device)
         self.blocks = BlockManager(self.pool.num_pages, page_size, prefix_caching)
@@ -85,7 +88,7 @@ class Engine:
                       if prompt and isinstance(prompt[0], dict) else prompt)
         if not prompt_ids:
             raise ValueError("empty prompt")
-        limit = self.model.config.max_seq_len
+        limit = self.max_model_len
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context limit is {limit}")
         if request_id is None:

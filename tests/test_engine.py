@@ -159,6 +159,19 @@ def test_finish_reasons_text_and_usage(model):
     assert_all_pages_free(eng)
 
 
+def test_context_size_caps_prompt_and_reply(model):
+    """--ctx-size: prompt + reply never exceed it; a prompt that fills it is refused; it cannot
+    exceed the model's own context."""
+    eng = Engine(model, ByteTokenizer(), page_size=4, max_model_len=20)
+    out = run_all(eng, {"a": (list(range(1, 11)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))})
+    assert out["a"][-1].finish_reason == "length" and len(tokens_of(out["a"])) == 10
+    with pytest.raises(ValueError, match="context limit is 20"):
+        eng.add_request(list(range(1, 21)), GREEDY)
+    with pytest.raises(ValueError, match="context size must be in 1..128"):
+        Engine(model, ByteTokenizer(), max_model_len=129)
+    assert_all_pages_free(eng)
+
+
 def test_chat_messages_are_rendered_by_the_template(model):
     eng = Engine(model, ByteTokenizer(), page_size=4)
     msgs = [{"role": "user", "content": "hi"}]

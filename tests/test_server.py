@@ -327,5 +327,5 @@ def test_serve_help_lists_its_flags():
                        text=True, timeout=60)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     for flag in ("MODEL", "--host", "--port", "--api-key", "LOWBIT_API_KEY", "--served-model-name", "--kv-cache",
-                 "--kv-memory", "--max-num-seqs", "--log-level", "--weights", "--device", "--dtype"):
+                 "--kv-memory", "--max-num-seqs", "--ctx-size", "--log-level", "--weights", "--device", "--dtype"):
         assert flag in r.stdout, flag
