@@ -36,8 +36,8 @@ class PagedBatch:
 
 
 class ContiguousAttention:
-    def __init__(self, cache, start, mask, n_heads: int):
-        self.cache, self.start, self.mask, self.n_heads = cache, start, mask, n_heads
+    def __init__(self, cache, start, mask):
+        self.cache, self.start, self.mask = cache, start, mask
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [M, H, D], k/v [M, Hkv, D] (M = B*T) → attention output fp32 [M, H*D]."""

@@ -144,7 +144,7 @@ class Llama(nn.Module):
             if T != 1:
                 raise ValueError("per-sequence positions take one token per sequence")
             cos, sin = rope_tables(self.inv_freq, start)  # [B, D]
-        attend = ContiguousAttention(cache, start, self._mask(T, start, cache.max_len), self.config.n_heads)
+        attend = ContiguousAttention(cache, start, self._mask(T, start, cache.max_len))
         rows = torch.arange(T - 1, B * T, T, device=self.device) if last_only else None  # each sequence's last
         logits = self._run(tokens.reshape(-1), cos, sin, attend, rows, exact)
         return logits.view(B, 1 if last_only else T, -1)

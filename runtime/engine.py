@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lowbit.models.attention import PagedBatch
 from lowbit.quant.kv import DEFAULT_KV_FORMAT, parse_kv_format
 from lowbit.runtime.block_manager import BlockManager
 from lowbit.runtime.detokenizer import StreamDetokenizer
 from lowbit.runtime.kv_cache import KVPool
-from lowbit.runtime.sampler import SamplingParams, SamplingState, sample_batch
+from lowbit.runtime.sampler import SamplingParams, SamplingState, mask_padding, sample_batch
 from lowbit.runtime.scheduler import ScheduledSeq, Scheduler, Sequence
 from lowbit.runtime.stop import StopMatcher
 
@@ -127,9 +128,7 @@ class Engine:
         logits = self._run(scheduled)  # [R, V] for the sampled sequences, in order
         sampling = [s for s in scheduled if s.sample]
         states = [self.requests[s.seq.seq_id].state for s in sampling]
-        vocab = self.tok.vocab_size
-        if logits.shape[-1] > vocab:
-            logits[:, vocab:] = float("-inf")  # padded embedding rows have no text
+        mask_padding(logits, self.tok.vocab_size)
         results = sample_batch(logits, states) if sampling else []
         sampled = {s.seq.seq_id: r.token for s, r in zip(sampling, results)}
         for s in scheduled:  # the prefix-cache hit of a sequence's first chunk, for its usage
@@ -142,8 +141,6 @@ class Engine:
                          if rid in self.requests and rid not in sampled]
 
     def _run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        from lowbit.models.attention import PagedBatch
-
         dev = self.model.device
         tokens, positions, rows = [], [], []
         n = 0

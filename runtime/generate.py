@@ -22,7 +22,7 @@ import torch
 from lowbit.models.llama import KVCache, Llama
 from lowbit.runtime.cuda_graphs import GraphedDecode
 from lowbit.runtime.detokenizer import StreamDetokenizer
-from lowbit.runtime.sampler import Sampler
+from lowbit.runtime.sampler import Sampler, mask_padding
 
 VERIFY_BLOCK = 16  # = EXACT_MIN_ROWS: one verify pass costs about one exact dequantization of the weights
 
@@ -40,14 +40,6 @@ class GenerationResult:
     def decode_tok_s(self) -> float:
         n = len(self.token_ids) - 1
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
-
-
-def _mask_padding(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Checkpoints often pad the embedding beyond the tokenizer (Qwen2.5: 151936 rows for 151665
-    tokens); ids past the tokenizer have no text, so they can never be chosen."""
-    if logits.shape[-1] > vocab:
-        logits[..., vocab:] = float("-inf")
-    return logits
 
 
 Step = Callable[[int, int], torch.Tensor]  # (token, its position) → logits fp32 [V] for the next one
@@ -69,7 +61,7 @@ def sampled_tokens(model: Llama, prompt: list[int], cache: KVCache, sampler: Sam
     logits = model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True)[0, -1]
     pos = len(prompt)
     while True:
-        tok = sampler(_mask_padding(logits, vocab))
+        tok = sampler(mask_padding(logits, vocab))
         yield tok
         if pos >= cache.max_len:
             return
@@ -81,7 +73,7 @@ def verified_greedy_tokens(model: Llama, prompt: list[int], cache: KVCache, voca
                            stop_ids: frozenset[int], block: int = VERIFY_BLOCK) -> Iterator[int]:
     """The exact model's greedy tokens, drafted by the fast kernels and verified in blocks.
     Drafting stops at an end token or when `budget` tokens have been drafted in all."""
-    argmax = lambda logits: int(_mask_padding(logits, vocab).argmax())  # noqa: E731
+    argmax = lambda logits: int(mask_padding(logits, vocab).argmax())  # noqa: E731
     step = decode_step(model, cache)
     nxt = argmax(model(torch.tensor([prompt], device=model.device), cache, 0, last_only=True, exact=True)[0, -1])
     pos = len(prompt)  # the position `nxt` occupies
@@ -94,7 +86,7 @@ def verified_greedy_tokens(model: Llama, prompt: list[int], cache: KVCache, voca
             drafts.append(t)
             p += 1
         seq = [nxt, *drafts]
-        logits = _mask_padding(model(torch.tensor([seq], device=model.device), cache, pos, exact=True)[0], vocab)
+        logits = mask_padding(model(torch.tensor([seq], device=model.device), cache, pos, exact=True)[0], vocab)
         exact = logits.argmax(-1).tolist()  # [len(seq)]
         for j, d in enumerate(drafts):
             if exact[j] != d:  # first disagreement: the exact token replaces the draft

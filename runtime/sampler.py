@@ -39,6 +39,14 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 BIAS_LIMIT = 100.0  # OpenAI: logit_bias values lie in [-100, 100]
 
 
+def mask_padding(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Checkpoints often pad the embedding beyond the tokenizer (Qwen2.5: 151936 rows for 151665
+    tokens); ids past the tokenizer have no text, so they can never be chosen. In place; [..., V]."""
+    if logits.shape[-1] > vocab:
+        logits[..., vocab:] = float("-inf")
+    return logits
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
