@@ -1,9 +1,11 @@
 """One prompt → streamed reply, with the numbers `lowbit run` prints (TTFT, decode tok/s).
 
-The simple single-sequence loop over the contiguous cache; the engine issue replaces it with
-continuous batching over the paged cache.
+The simple single-sequence loop over the contiguous cache. `lowbit run` uses it for verified
+greedy replies; everything else goes through the paged engine (runtime/engine.py), until
+speculative decoding moves verification there.
 
-Greedy decoding is *verified*: the fused bf16 kernels draft VERIFY_BLOCK - 1 tokens one at a time,
+Greedy decoding is *verified*: the fast kernels (torch's fused bf16 kernels on CPU, the Triton
+kernels with fp16/bf16 activations on CUDA) draft VERIFY_BLOCK - 1 tokens one at a time,
 then one exact fp32 pass over the block checks them (and rewrites their cache entries with exact
 values), keeping the drafts up to the first disagreement and the exact model's token there. The
 reply is therefore the exact model's greedy reply — bf16 rounding flips near-ties (top-2 logit
