@@ -10,6 +10,10 @@ CPU has two paths, chosen per call by M (the rows of x):
   multiplied by oneDNN's fp32 GEMM. Exact, and faster than the fused kernel once M is large
   (M = 512: 7.7 ms against 21 ms for the bf16 kernel on the 1728x576 weight).
 
+A torch build whose packing differs from torch 2.13's (torch 2.11 on a CUDA machine did) keeps the
+codes in lowbit's own nibble layout instead and runs the exact path for every M: correct, with a
+slower decode, and a warning saying so.
+
 Only the packed codes and the file's own fp16 scales and mins are held (the bf16 scale/zero pairs
 are rebuilt per decode call), so memory stays at the GGUF's size.
 
@@ -19,6 +23,7 @@ The kernel's convention w = (u - 8) * scale + zero covers both lowbit layouts: a
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +35,19 @@ _BLOCK_N = 32  # rows per tile in torch 2.13's CPU int4 packing; checked on ever
 
 @dataclass
 class Int4Packed:
-    packed: torch.Tensor  # uint8, torch's CPU tile layout of codes [Np, Kp]
+    packed: torch.Tensor  # uint8: torch's CPU tile layout of codes [Np, Kp]; if not `fused`, [Kp, Np/2] nibbles
     scale_min: torch.Tensor  # fp16 [G, Np, 2]: (d, m) pairs, the kernel's pair layout; [G, Np, 1] (d) if symmetric
     group_size: int
     out_features: int  # N before padding to 16 rows
     in_features: int  # K before padding to a whole group
+    fused: bool = True  # `packed` is in the layout torch's fused kernel reads
+
+    def codes_t(self) -> torch.Tensor:
+        """uint8 codes W^T [Kp, Np]."""
+        Np, Kp = self.padded_shape
+        if self.fused:
+            return _unpack_cpu_t(self.packed, Np, Kp)
+        return torch.stack((self.packed & 0xF, self.packed >> 4), dim=2).view(Kp, Np)  # [Kp, Np/2, 2] → [Kp, Np]
 
     @property
     def padded_shape(self) -> tuple[int, int]:
@@ -86,11 +99,16 @@ def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
         scales = F.pad(scales, (0, 0, 0, Np - N))
         mins = None if mins is None else F.pad(mins, (0, 0, 0, Np - N))
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-    if not torch.equal(_unpack_cpu_t(packed, Np, Kp), codes.to(torch.uint8).t()):
-        raise RuntimeError("this torch build packs int4 weights in an unknown layout; lowbit supports torch 2.13's")
+    fused = torch.equal(_unpack_cpu_t(packed, Np, Kp), codes.to(torch.uint8).t())
+    if not fused:
+        warnings.warn(f"torch {torch.__version__} packs int4 weights in a layout lowbit does not know (it reads "
+                      "torch 2.13's); int4 layers run the exact dequantize + fp32 GEMM path, with a slower decode",
+                      RuntimeWarning, stacklevel=2)
+        ut = codes.to(torch.uint8).t()  # [Kp, Np]
+        packed = (ut[:, 0::2] | (ut[:, 1::2] << 4)).contiguous()  # [Kp, Np/2]
     pairs = (scales.t(),) if mins is None else (scales.t(), mins.t())
     scale_min = torch.stack(pairs, dim=-1).half().contiguous()  # [G, Np, 2] or [G, Np, 1]
-    return Int4Packed(packed, scale_min, group_size, N, in_features)
+    return Int4Packed(packed, scale_min, group_size, N, in_features, fused)
 
 
 def dequantize_packed_t(w: Int4Packed) -> torch.Tensor:
@@ -98,7 +116,7 @@ def dequantize_packed_t(w: Int4Packed) -> torch.Tensor:
     order — d * (u - 8), d * u + m — so it matches quant/int4.py's dequantize bit for bit."""
     Np, Kp = w.padded_shape
     G, g = Kp // w.group_size, w.group_size
-    u = _unpack_cpu_t(w.packed, Np, Kp).view(G, g, Np)  # [G, g, Np]: rows of one group are contiguous
+    u = w.codes_t().view(G, g, Np)  # [G, g, Np]: rows of one group are contiguous
     sm = w.scale_min.float()  # [G, Np, 1 or 2]
     d = sm[:, None, :, 0]  # [G, 1, Np]
     if w.symmetric:
@@ -118,7 +136,7 @@ def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.
     Np, Kp = w.padded_shape
     if Kp != w.in_features:
         x = F.pad(x, (0, Kp - w.in_features))
-    if exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS:
+    if not w.fused or (exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS):
         y = x.float() @ dequantize_packed_t(w)
     else:
         y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w.packed, w.group_size,

@@ -13,10 +13,14 @@ import types
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     HAVE_TRITON = False
+
+    class OutOfResources(Exception):  # never raised: nothing launches without Triton
+        pass
 
     class _Unavailable:
         def __init__(self, name: str):

@@ -32,13 +32,13 @@ Two launch shapes of the same kernel:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from lowbit.kernels.int4_mm import int4_dequant_ref
 from lowbit.kernels.int8_mm import int8_dequant_ref
-from lowbit.kernels.triton_import import check_device, interpreting, tl, triton
+from lowbit.kernels.triton_import import OutOfResources, check_device, interpreting, tl, triton
 
 DECODE_MAX_ROWS = 16  # up to this many rows: the split-K decode launch
 
@@ -168,9 +168,41 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def choose_config(M: int, w: WQPacked, device: torch.device) -> LaunchConfig:
+def _smem_limit(device: torch.device) -> int | None:
+    """Shared memory one program may use (H200: 232,448 bytes); None off CUDA (the interpreter has no limit)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def smem_estimate(cfg: LaunchConfig, x_bytes: int, bits: int) -> int:
+    """Bytes of shared memory a launch needs, on the safe side: each pipeline stage holds the x tile,
+    the weight codes and their converted [BK, BN] operand (both in x's dtype), and the epilogue an
+    fp32 [BM, BN] tile. Checked on an H200 (Triton 3.6): int4 g128, fp16, 128x128x128 with 3 stages
+    asked for 241,664 bytes (estimate 286,720) and did not fit its 232,448."""
+    stage = (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * x_bytes + cfg.block_k * cfg.block_n * bits // 8
+    return cfg.num_stages * stage + cfg.block_m * cfg.block_n * 4
+
+
+def shrink(cfg: LaunchConfig) -> LaunchConfig | None:
+    """The next smaller config: fewer stages down to 2, then narrower N tiles down to 64, then one
+    stage, then shorter M tiles; None when nothing is left to give."""
+    if cfg.num_stages > 2:
+        return replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.block_n > 64:
+        return replace(cfg, block_n=cfg.block_n // 2)
+    if cfg.num_stages > 1:
+        return replace(cfg, num_stages=1)
+    if cfg.block_m > 16:
+        return replace(cfg, block_m=cfg.block_m // 2)
+    return None
+
+
+def choose_config(M: int, w: WQPacked, device: torch.device, x_dtype: torch.dtype = torch.float16) -> LaunchConfig:
     """Tile shapes by problem shape. Decode: BLOCK_N 128 and split-K so the grid holds ~2 programs
-    per SM (4096x4096 on 132 SMs: 32 column tiles x 8 splits). Prefill: 64- or 128-row tiles."""
+    per SM (4096x4096 on 132 SMs: 32 column tiles x 8 splits). Prefill: 64- or 128-row tiles.
+    Then shrunk until `smem_estimate` fits the device's shared memory (fp32 x and 128-wide groups
+    are what overflow it)."""
     N, Kp = w.out_features, w.padded_in_features
     bk = w.group_size if not w.per_channel else 128
     k_tiles = triton.cdiv(Kp, bk)
@@ -178,9 +210,15 @@ def choose_config(M: int, w: WQPacked, device: torch.device) -> LaunchConfig:
         bn = 128 if N >= 2048 else 64
         tiles = triton.cdiv(N, bn)
         split = max(1, min(k_tiles, (2 * _sm_count(device)) // tiles))
-        return LaunchConfig(16, bn, bk, split, 1, 4, 4)
-    bm = 64 if M <= 128 else 128
-    return LaunchConfig(bm, 128, bk, 1, 8, 8 if bm == 128 else 4, 3)
+        cfg = LaunchConfig(16, bn, bk, split, 1, 4, 4)
+    else:
+        bm = 64 if M <= 128 else 128
+        cfg = LaunchConfig(bm, 128, bk, 1, 8, 8 if bm == 128 else 4, 3)
+    limit = _smem_limit(device)
+    x_bytes = torch.empty((), dtype=x_dtype).element_size()
+    while limit is not None and smem_estimate(cfg, x_bytes, w.bits) > limit and (smaller := shrink(cfg)):
+        cfg = smaller
+    return cfg
 
 
 def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
@@ -198,7 +236,7 @@ def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
     if x.device != w.qweight.device:
         raise ValueError(f"wq_mm: x is on {x.device}, the weight on {w.qweight.device}")
     M, N = x.shape[0], w.out_features
-    cfg = config or choose_config(M, w, x.device)
+    cfg = config or choose_config(M, w, x.device, x.dtype)
     if not w.per_channel and w.group_size % cfg.block_k:
         raise ValueError(f"wq_mm: BLOCK_K={cfg.block_k} must divide the group size {w.group_size}")
     out_dtype = out_dtype or x.dtype
@@ -208,6 +246,20 @@ def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
         y = torch.empty((M, N), device=x.device, dtype=out_dtype)
     if M == 0:
         return y.to(out_dtype)
+    while True:
+        try:
+            _launch(x, w, y, cfg)
+            break
+        except OutOfResources:
+            # the estimate was short for this Triton version: the launch failed before running
+            # (y is untouched), so a smaller config may retry; an explicit config is the caller's
+            if config is not None or (cfg := shrink(cfg)) is None:
+                raise
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _launch(x: torch.Tensor, w: WQPacked, y: torch.Tensor, cfg: LaunchConfig) -> None:
+    M, N = x.shape[0], w.out_features
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
     _wq_mm_kernel[grid](
         x, w.qweight, w.scales, w.scales if w.mins is None else w.mins, y,
@@ -216,7 +268,6 @@ def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         GROUP_M=cfg.group_m, IEEE=x.dtype == torch.float32,
         **({} if interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}))
-    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 def wq_dequant_ref(w: WQPacked, cols: torch.Tensor | None = None) -> torch.Tensor:

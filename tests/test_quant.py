@@ -177,6 +177,27 @@ def test_int4_mm_matches_ref(name, M, N, K_groups):
     assert (err <= atol + rtol * ref.abs()).all(), (err / (atol + rtol * ref.abs())).max()
 
 
+@pytest.mark.parametrize("name", ["int4-g32", "int4-sym-g64"])
+def test_int4_unknown_torch_packing_falls_back_to_the_exact_path(name, monkeypatch):
+    """torch 2.11 (seen on a CUDA machine) packs int4 differently from torch 2.13: lowbit then keeps
+    its own nibble layout and multiplies exactly for every M, with a warning, instead of refusing."""
+    spec = parse_weights(name)
+    K, N = 2 * spec.group_size + 5, 40
+    w = quantize_weight(_matrix(N, K, seed=3), spec)
+    real = torch._convert_weight_to_int4pack_for_cpu
+    # a different layout: the same bytes, tiles reversed
+    monkeypatch.setattr(torch, "_convert_weight_to_int4pack_for_cpu", lambda c, k: real(c, k).flip(0))
+    with pytest.warns(RuntimeWarning, match="layout lowbit does not know"):
+        p = int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K)
+    assert not p.fused
+    for M in (1, 17):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+        y = int4_mm(x, p)
+        assert y.dtype == torch.float32 and y.shape == (M, N)
+        torch.testing.assert_close(y, int4_mm_ref(x, w.codes(), w.scales, w.mins, spec.group_size),
+                                   atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["int8", "int8-g32", "int8-g128"])
 @pytest.mark.parametrize("M,N", SHAPES_MN + [(3, 40)])
 @pytest.mark.parametrize("K_kind", ["whole", "partial"], ids=["K_whole_groups", "K_partial_group"])

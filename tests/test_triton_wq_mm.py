@@ -11,10 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels.triton_import import interpreting
+from lowbit.kernels import wq_mm as wq_mm_module
+from lowbit.kernels.triton_import import OutOfResources, interpreting
 from lowbit.kernels.wq_mm import (
     LaunchConfig,
     choose_config,
+    smem_estimate,
     wq_dequant_ref,
     wq_mm,
     wq_mm_ref,
@@ -120,6 +122,48 @@ def test_decode_config_streams_weights_once():
     cfg = choose_config(16, p, torch.device("cpu"))
     assert cfg.block_m == 16 and cfg.split_k >= 1
     assert choose_config(17, p, torch.device("cpu")).split_k == 1
+
+
+H200_SMEM = 232_448  # shared_memory_per_block_optin on an H200
+
+
+def test_configs_fit_the_shared_memory(monkeypatch):
+    """On an H200 (Triton 3.6) int4-g128 fp16 with 128x128x128 tiles and 3 stages asked for 241,664
+    bytes of its 232,448 and failed to launch: the estimate must not be below what Triton asked, and
+    choose_config must shrink such configs until they fit, for every dtype and group size."""
+    assert smem_estimate(LaunchConfig(128, 128, 128, 1, 8, 8, 3), 2, 4) >= 241_664
+    monkeypatch.setattr(wq_mm_module, "_smem_limit", lambda device: H200_SMEM)
+    for layout in ("int4-g32", "int4-g128", "int8-g128", "int8"):
+        _, p = _packed(layout, 4096, 4096)
+        for M in (1, 16, 17, 128, 2048):
+            for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                cfg = choose_config(M, p, torch.device("cpu"), dtype)
+                assert smem_estimate(cfg, dtype.itemsize, p.bits) <= H200_SMEM, (layout, M, dtype, cfg)
+                assert cfg.block_k == (p.group_size if not p.per_channel else 128)
+    # configs that fit are left alone: the 16-bit prefill tiles of 32-wide groups keep their 3 stages
+    assert choose_config(2048, _packed("int4-g32", 4096, 4096)[1], torch.device("cpu")).num_stages == 3
+
+
+def test_launch_shrinks_a_config_triton_refuses(monkeypatch):
+    """If Triton still refuses a chosen config (its needs differ by version), wq_mm retries smaller
+    configs; an explicit config is the caller's and its failure is raised."""
+    _, p = _packed("int4-g64", 48, 128)
+    x = torch.randn(5, 128)
+    real, tried = wq_mm_module._launch, []
+
+    def launch(x, w, y, cfg):
+        tried.append(cfg)
+        if cfg.num_stages > 1:
+            raise OutOfResources(300_000, H200_SMEM, "shared memory")
+        real(x, w, y, cfg)
+
+    monkeypatch.setattr(wq_mm_module, "_launch", launch)
+    if not interpreting():
+        pytest.skip("the kernel runs on CPU only under TRITON_INTERPRET=1")
+    _check(wq_mm(x, p), wq_mm_ref(x, p), torch.float32)
+    assert tried[-1].num_stages == 1 and len(tried) > 1
+    with pytest.raises(OutOfResources):
+        wq_mm(x, p, LaunchConfig(16, 64, 64, 1, 1, 4, 2))
 
 
 def test_bad_inputs_are_clear_errors():

@@ -249,7 +249,7 @@ class Run:
                  "speedup": ms_t / ms_lb, "gbs": gbs, "tflops": 2 * M * N * K / ms_lb / 1e9,
                  "pct_peak": None if not a.peak_gbs else 100 * gbs / a.peak_gbs,
                  "torch_gbs": (N * K + M * K + M * N) * x.element_size() / ms_t / 1e6,
-                 "bytes": nbytes, "config": cfg_str(choose_config(M, w, self.device))}
+                 "bytes": nbytes, "config": cfg_str(choose_config(M, w, self.device, self.dtype))}
             self.rows.append(r)
             pct = "" if r["pct_peak"] is None else f"{r['pct_peak']:.0f}%"
             print(f"{layout:<14}{r['layer']:<9}{N:>7}{K:>7}{M:>6}{ms_lb:>11.4f}{ms_t:>10.4f}"
@@ -261,7 +261,7 @@ class Run:
         w = build_weight(layout, N, K, self.device, a.seed, a.quantized)
         for M in ms:
             x, ref = self.x(M, K), wq_mm_ref(self.x(M, K), w)
-            default = choose_config(M, w, self.device)
+            default = choose_config(M, w, self.device, self.dtype)
             stage1, variants = sweep_candidates(M, layout, a.smoke)
             timed: dict[LaunchConfig, float | None] = {}
             what = {"sweep": layout, "N": N, "K": K, "M": M}
