@@ -22,7 +22,7 @@ from lowbit.models.attention import ContiguousAttention, PagedAttention, PagedBa
 from lowbit.models.backend import Backend, torch_backend
 from lowbit.models.config import LlamaConfig
 from lowbit.models.rope import inv_frequencies, rope_tables
-from lowbit.quant.linear import QuantEmbedding, QuantLinear, fuse_rows
+from lowbit.quant.linear import ExactRows, QuantEmbedding, QuantLinear, fuse_rows
 
 
 @dataclass
@@ -149,7 +149,8 @@ class Llama(nn.Module):
         logits = self._run(tokens.reshape(-1), cos, sin, attend, rows, exact)
         return logits.view(B, 1 if last_only else T, -1)
 
-    def forward_paged(self, tokens: torch.Tensor, batch: PagedBatch, pool, exact: bool | None = None) -> torch.Tensor:
+    def forward_paged(self, tokens: torch.Tensor, batch: PagedBatch, pool,
+                      exact: bool | None | ExactRows = None) -> torch.Tensor:
         """The engine's step: tokens int [M] of several sequences (see PagedBatch), K/V written to
         and read from the paged pool (runtime/kv_cache.py) → logits fp32 [R, V] for batch.logits_rows."""
         cos, sin = rope_tables(self.inv_freq, batch.positions)  # [M, D]
@@ -157,14 +158,17 @@ class Llama(nn.Module):
         return self._run(tokens, cos, sin, attend, batch.logits_rows, exact)
 
     def _run(self, tokens: torch.Tensor, cos, sin, attend, rows: torch.Tensor | None,
-             exact: bool | None) -> torch.Tensor:
-        """tokens [M] → logits fp32 [M, V], or [len(rows), V] for the rows asked for."""
-        dtype = torch.float32 if exact else self.backend.dtype
+             exact: bool | None | ExactRows) -> torch.Tensor:
+        """tokens [M] → logits fp32 [M, V], or [len(rows), V] for the rows asked for. `exact` may
+        choose per row (ExactRows); activations are then in the backend's dtype (fp32 on CPU)."""
+        dtype = torch.float32 if exact is True else self.backend.dtype
         delta, residual = self.embed(tokens).to(dtype), None  # [M, dim]
         for i, layer in enumerate(self.layers):
             delta, residual = layer(delta, residual, i, cos, sin, attend, exact, dtype)
         if rows is not None:
             delta, residual = delta[rows].contiguous(), residual[rows].contiguous()  # [R, dim]
+            if isinstance(exact, ExactRows):
+                exact = exact.take(rows)
         h, _ = self.backend.add_rms_norm(delta, residual, self.norm, self.config.norm_eps, dtype)
         return self.output(h, exact, torch.float32)  # fp32 logits: no fp16 rounding
 

@@ -130,6 +130,30 @@ def fuse_rows(weights: list[Weight]) -> Weight | None:
     return FloatWeight(first.spec, torch.cat([w.weight for w in weights]))
 
 
+@dataclass(frozen=True)
+class ExactRows:
+    """Per-row choice of path for one step: `mask` bool [M], True for rows computed exactly (fp32
+    on exactly dequantized weights), False for the fast kernel. The engine marks prompt tokens
+    exact and generated tokens fast, so a sequence's numbers depend on its own tokens only — not on
+    how many other rows share the step, nor on how much of its prompt the prefix cache held (a
+    repeated seeded request gives the same reply)."""
+
+    mask: torch.Tensor  # bool [M]
+
+    @staticmethod
+    def of(mask: list[bool], device) -> "bool | ExactRows":
+        """True/False when every row agrees (one kernel call), else an ExactRows."""
+        if all(mask):
+            return True
+        if not any(mask):
+            return False
+        return ExactRows(torch.tensor(mask, dtype=torch.bool, device=device))
+
+    def take(self, rows: torch.Tensor) -> "bool | ExactRows":
+        """The choice for a subset of the rows (e.g. the rows whose logits are sampled)."""
+        return ExactRows.of(self.mask[rows].tolist(), self.mask.device)
+
+
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ b). Input [..., K] in the backend's activation dtype (or fp32); output in
     out_dtype, by default the input's. `exact`: force the exact fp32 path (True) or the fast kernel (False); None lets the
@@ -146,9 +170,18 @@ class QuantLinear(nn.Module):
             t.device for t in vars(self.w).values() if isinstance(t, torch.Tensor))
         self.register_buffer("bias", None if bias is None else bias.float().to(device), persistent=False)
 
-    def forward(self, x: torch.Tensor, exact: bool | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, exact: bool | None | ExactRows = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = self.matmul(x.reshape(-1, x.shape[-1]), self.w, exact, out_dtype)  # [M, N] from [M, K]
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        if isinstance(exact, ExactRows):
+            m = exact.mask
+            y_exact = self.matmul(x2[m], self.w, True, out_dtype)  # [E, N]
+            y = torch.empty((x2.shape[0], y_exact.shape[1]), dtype=y_exact.dtype, device=x2.device)  # [M, N]
+            y[m] = y_exact
+            y[~m] = self.matmul(x2[~m], self.w, False, out_dtype).to(y.dtype)
+        else:
+            y = self.matmul(x2, self.w, exact, out_dtype)  # [M, N]
         if self.bias is not None:
             y = (y.float() + self.bias).to(y.dtype)
         return y.reshape(*lead, -1)

@@ -16,6 +16,7 @@ import torch
 
 from lowbit.models.attention import PagedBatch
 from lowbit.quant.kv import DEFAULT_KV_FORMAT, parse_kv_format
+from lowbit.quant.linear import ExactRows
 from lowbit.runtime.block_manager import BlockManager
 from lowbit.runtime.detokenizer import StreamDetokenizer
 from lowbit.runtime.kv_cache import KVPool
@@ -60,6 +61,7 @@ class _Request:
     state: SamplingState
     detok: StreamDetokenizer
     stops: StopMatcher
+    grammar: object | None = None  # runtime.grammar.Grammar: masks each step's logits (structured output)
     cached: int = 0
 
 
@@ -81,10 +83,12 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, prompt: list[int] | list[dict], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: list[int] | list[dict], params: SamplingParams, request_id: str | None = None,
+                    grammar=None) -> str:
         """Queue a request: token ids, or chat messages ({"role", "content"} dicts) rendered with the
-        model's chat template. Raises scheduler.QueueFull when the waiting queue is at its bound, and
-        ValueError for a prompt the context cannot hold."""
+        model's chat template; `grammar` (runtime/grammar.py) constrains its tokens. Raises
+        scheduler.QueueFull when the waiting queue is at its bound, and ValueError for a prompt the
+        context cannot hold."""
         prompt_ids = (self.tok.encode_chat(prompt, add_generation_prompt=True)
                       if prompt and isinstance(prompt[0], dict) else prompt)
         if not prompt_ids:
@@ -99,7 +103,7 @@ class Engine:
         seq = Sequence(request_id, list(prompt_ids), max_tokens)
         self.scheduler.add(seq)
         self.requests[request_id] = _Request(seq, SamplingState(params, tuple(prompt_ids)),
-                                             StreamDetokenizer(self.tok), StopMatcher(params.stop))
+                                             StreamDetokenizer(self.tok), StopMatcher(params.stop), grammar)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -129,7 +133,14 @@ class Engine:
         sampling = [s for s in scheduled if s.sample]
         states = [self.requests[s.seq.seq_id].state for s in sampling]
         mask_padding(logits, self.tok.vocab_size)
+        grammars = [self.requests[s.seq.seq_id].grammar for s in sampling]
+        for row, g in enumerate(grammars):
+            if g is not None:
+                g.mask(logits[row])
         results = sample_batch(logits, states) if sampling else []
+        for g, r in zip(grammars, results):
+            if g is not None:
+                g.accept(r.token)
         sampled = {s.seq.seq_id: r.token for s, r in zip(sampling, results)}
         for s in scheduled:  # the prefix-cache hit of a sequence's first chunk, for its usage
             req = self.requests[s.seq.seq_id]
@@ -142,11 +153,12 @@ class Engine:
 
     def _run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         dev = self.model.device
-        tokens, positions, rows = [], [], []
+        tokens, positions, rows, prompt_rows = [], [], [], []
         n = 0
         for s in scheduled:
             tokens += s.seq.all_ids[s.start:s.start + s.num_tokens]
             positions += range(s.start, s.start + s.num_tokens)
+            prompt_rows += [p < len(s.seq.prompt_ids) for p in range(s.start, s.start + s.num_tokens)]
             n += s.num_tokens
             if s.sample:
                 rows.append(n - 1)
@@ -157,7 +169,12 @@ class Engine:
             context_lens=[s.start + s.num_tokens for s in scheduled],
             block_tables=[torch.tensor(self.blocks.block_table(s.seq.seq_id), device=dev) for s in scheduled],
             logits_rows=torch.tensor(rows, dtype=torch.long, device=dev))
-        return self.model.forward_paged(torch.tensor(tokens, device=dev), batch, self.pool, self.exact)
+        exact = self.exact
+        if exact is None and self.model.backend.name == "torch":
+            # CPU kernels differ by path (exact fp32 vs fused bf16): prompt tokens always exact, generated
+            # tokens always fast, so a reply does not depend on its batch or on prefix-cache hits
+            exact = ExactRows.of(prompt_rows, dev)
+        return self.model.forward_paged(torch.tensor(tokens, device=dev), batch, self.pool, exact)
 
     def _emit(self, rid: str, result, finish: str | None) -> Delta:
         req = self.requests[rid]
@@ -202,10 +219,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="lowbit-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       grammar=None):
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            rid = self.engine.add_request(prompt_ids, params, request_id)
+            rid = self.engine.add_request(prompt_ids, params, request_id, grammar)
             self._queues[rid] = (asyncio.get_running_loop(), q)
         self._wake.set()
         try:
