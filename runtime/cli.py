@@ -204,11 +204,12 @@ def _engine_run(lm, ids, params, kv_format, kv_memory, write):
 
 def cmd_serve(args) -> int:
     import logging
+    import threading
 
     try:
         import uvicorn
 
-        from lowbit.runtime.server import build_app
+        from lowbit.runtime.server import Served, build_app
     except ImportError as e:
         raise LowbitError(f"`lowbit serve` needs fastapi and uvicorn ({e})") from None
     from lowbit.runtime.engine import AsyncEngine, Engine
@@ -219,27 +220,42 @@ def cmd_serve(args) -> int:
     if args.max_num_seqs < 1:
         raise LowbitError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("lowbit.server")
     kv_memory = parse_size(args.kv_memory)
     api_key = args.api_key if args.api_key is not None else (os.environ.get("LOWBIT_API_KEY") or None)
-    lm = load(args.model_pos or args.model, args.weights, device=args.device, dtype=args.dtype)
-    try:
-        engine = Engine(lm.model, lm.tokenizer, kv_format=args.kv_cache, kv_memory=kv_memory,
-                        max_num_seqs=args.max_num_seqs, max_model_len=args.ctx_size)
-    except ValueError as e:
-        raise LowbitError(str(e)) from None
-    name = args.served_model_name or lm.path.name
-    app = build_app(AsyncEngine(engine), lm.tokenizer, name, engine.max_model_len, api_key)
+    app = build_app(None, api_key)  # answers 503 (GET /health too) until the model is loaded
     url = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
+    failure: list[BaseException] = []
+
+    def load_and_serve(server: uvicorn.Server) -> None:
+        try:
+            lm = load(args.model_pos or args.model, args.weights, device=args.device, dtype=args.dtype)
+            engine = Engine(lm.model, lm.tokenizer, kv_format=args.kv_cache, kv_memory=kv_memory,
+                            max_num_seqs=args.max_num_seqs, max_model_len=args.ctx_size)
+            name = args.served_model_name or lm.path.name
+            app.state.lowbit.ready(Served(AsyncEngine(engine), lm.tokenizer, name, engine.max_model_len))
+            log.info("serving %s at %s (export OPENAI_BASE_URL=%s)%s", name, url, url,
+                     "" if api_key else "; no API key required")
+        except BaseException as e:  # noqa: BLE001 - reported by cmd_serve once uvicorn has stopped
+            failure.append(e)
+            server.should_exit = True
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets)
-            if self.started:
-                logging.getLogger("lowbit.server").info(
-                    "serving %s at %s (export OPENAI_BASE_URL=%s)%s", name, url, url,
-                    "" if api_key else "; no API key required")
+            if self.started:  # the port is ours: load now, answering /health with 503 meanwhile
+                log.info("loading the model; %s/health answers 503 until it is ready", url.removesuffix("/v1"))
+                threading.Thread(target=load_and_serve, args=(self,), name="lowbit-load", daemon=True).start()
 
-    _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server.run()
+    if failure:
+        e = failure[0]
+        if isinstance(e, LowbitError):
+            raise e
+        raise LowbitError(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}") from e
+    if not server.started:
+        raise LowbitError(f"could not listen on {args.host}:{args.port} (is the port in use?)")
     return 0
 
 

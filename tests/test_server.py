@@ -16,7 +16,7 @@ from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import Llama
 from lowbit.models.synthetic import random_weights
 from lowbit.runtime.engine import AsyncEngine, Engine
-from lowbit.runtime.server import build_app
+from lowbit.runtime.server import Served, build_app
 
 VOCAB = 101
 CTX = 128
@@ -65,7 +65,7 @@ def server():
         return run(scheduled)
 
     engine._run = slow_run
-    app = build_app(AsyncEngine(engine), ByteTokenizer(), NAME, CTX, api_key=KEY)
+    app = build_app(Served(AsyncEngine(engine), ByteTokenizer(), NAME, CTX), api_key=KEY)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
@@ -186,14 +186,18 @@ def test_errors(server, client):
     chat = client.chat.completions.create
     e = error_of(lambda: chat(model=NAME, messages=MSGS, temperature=-1))
     assert_error_shape(e, 400, "temperature", kind="invalid_request_error")
-    assert_error_shape(error_of(lambda: chat(model=NAME, messages=MSGS, n=2)), 400, "n")
+    assert_error_shape(error_of(lambda: chat(model=NAME, messages=MSGS, n=0)), 400, "n")
+    assert_error_shape(error_of(lambda: chat(model=NAME, messages=MSGS, n=129)), 400, "n")
     assert_error_shape(error_of(lambda: chat(model=NAME, messages=MSGS, top_p=0)), 400, "top_p")
     assert_error_shape(error_of(lambda: chat(model="gpt-nope", messages=MSGS)), 404, "model", "model_not_found")
     assert_error_shape(error_of(lambda: chat(model=NAME, messages=[{"role": "user", "content": "x" * 200}])),
                        400, "messages", "context_length_exceeded")
     assert_error_shape(error_of(lambda: chat(model=NAME, messages=MSGS, max_tokens=CTX)),
                        400, "max_tokens", "context_length_exceeded")
-    assert_error_shape(error_of(lambda: chat(model=NAME, messages=MSGS, response_format={"type": "json_object"})),
+    assert_error_shape(error_of(lambda: chat(model=NAME, messages=MSGS, response_format={"type": "xml"})),
+                       400, "response_format")
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    assert_error_shape(error_of(lambda: chat(model=NAME, messages=MSGS, response_format=bad_schema)),
                        400, "response_format")
     bad_key = openai.OpenAI(base_url=server[1], api_key="wrong", max_retries=0)
     assert_error_shape(error_of(lambda: bad_key.chat.completions.create(model=NAME, messages=MSGS)), 401,
@@ -329,3 +333,76 @@ def test_serve_help_lists_its_flags():
     for flag in ("MODEL", "--host", "--port", "--api-key", "LOWBIT_API_KEY", "--served-model-name", "--kv-cache",
                  "--kv-memory", "--max-num-seqs", "--ctx-size", "--log-level", "--weights", "--device", "--dtype"):
         assert flag in r.stdout, flag
+
+
+def test_n_choices_streamed_and_not(client):
+    """n = 3 seeded: three choices (seed, seed + 1, seed + 2), the stream's fold equals the reply,
+    and the prompt is counted once in the usage."""
+    kw = dict(model=NAME, messages=MSGS, temperature=1.0, max_tokens=6, seed=7, n=3, logit_bias=NO_EOS)
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1  # different seeds, different draws
+    solo = client.chat.completions.create(**{**kw, "n": 1, "seed": 8})
+    assert solo.choices[0].message.content == texts[1]  # choice i draws from seed + i
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == solo.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed = ["", "", ""]
+    for ch in chunks:
+        for c in ch.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == texts
+    assert sum(1 for ch in chunks for c in ch.choices if c.finish_reason == "length") == 3
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "digit": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 9}},
+          "required": ["ok", "digit"], "additionalProperties": False}
+
+
+def test_json_schema_constrains_a_random_model(client):
+    """Even a random model's reply matches the schema: the grammar masks every step's logits."""
+    import json
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    for seed in range(3):
+        r = client.chat.completions.create(model=NAME, messages=MSGS, temperature=1.0, seed=seed, max_tokens=40,
+                                           response_format=fmt, logprobs=True, top_logprobs=5)
+        c = r.choices[0]
+        obj = json.loads(c.message.content)
+        assert c.finish_reason == "stop" and set(obj) == {"ok", "digit"}
+        assert isinstance(obj["ok"], bool) and obj["digit"] in range(10)
+        # where the grammar allows fewer than 5 tokens, the -inf alternatives are left out, not sent
+        assert all(len(t.top_logprobs) <= 5 for t in c.logprobs.content)
+    # unconstrained, the same random model does not write JSON
+    r = client.chat.completions.create(model=NAME, messages=MSGS, temperature=1.0, seed=0, max_tokens=40)
+    with pytest.raises(ValueError):
+        json.loads(r.choices[0].message.content)
+
+
+def test_health_is_503_until_the_model_is_ready():
+    app = build_app(None, api_key=None)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    try:
+        deadline = time.time() + 20
+        while not srv.started:
+            assert time.time() < deadline and th.is_alive(), "server did not start"
+            time.sleep(0.02)
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(base + "/health").status_code == 503
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading" and "retry-after" in r.headers
+        assert httpx.get(base + "/metrics").status_code == 200
+        model = Llama(CFG, random_weights(CFG, "int4-g32", "int8-g32", seed=0, scale=0.1)).eval()
+        app.state.lowbit.ready(Served(AsyncEngine(Engine(model, ByteTokenizer(), kv_memory=1 << 20)),
+                                      ByteTokenizer(), NAME, CTX))
+        assert httpx.get(base + "/health").status_code == 200
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)

@@ -1,0 +1,226 @@
+"""An OpenAI request body → what the engine runs: prompt ids, one SamplingParams per choice, an
+optional JSON schema to constrain the reply, and how to answer (stream, usage, logprobs).
+
+Every field the server cannot honour is a 400 naming its `param`; fields it does not know are
+logged and ignored (clients send vendor extensions), and the few known fields without effect here
+(`user`, `store`, ...) are accepted silently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+from lowbit.runtime.grammar import GrammarCompiler, GrammarError
+from lowbit.runtime.openai_errors import APIError, bad_request, context_exceeded
+from lowbit.runtime.sampler import MAX_LOGPROBS, SamplingParams
+
+log = logging.getLogger("lowbit.server")
+
+MAX_CHOICES = 128  # OpenAI's bound on n
+# fields both endpoints map onto SamplingParams (OpenAI name → SamplingParams name)
+_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+             "repetition_penalty": "repetition_penalty", "seed": "seed"}
+# fields accepted and deliberately without effect here
+_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "stop", "logit_bias", "logprobs",
+           "response_format", *_SAMPLING, *_IGNORED}
+CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+                         "function_call", *_COMMON})
+COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix", *_COMMON})
+_ROLES = ("system", "user", "assistant", "developer")
+_PARAMS_FIELDS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop", "logprobs"}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class Parsed:
+    chat: bool  # /v1/chat/completions, else /v1/completions
+    prompt_ids: list[int]
+    params: list[SamplingParams]  # one per choice
+    schema: dict | None  # response_format's JSON schema: constrain every choice to it
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+
+
+class RequestParser:
+    def __init__(self, tokenizer, model_name: str, max_model_len: int):
+        self.tok, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
+
+    def body(self, raw: bytes, fields: frozenset[str]) -> dict:
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist (this server serves '{self.model_name}').",
+                           "invalid_request_error", "model", "model_not_found")
+        return body
+
+    # ---- the two endpoints ------------------------------------------------------------------------
+
+    def chat(self, body: dict) -> Parsed:
+        self._unsupported(body, chat=True)
+        messages = self._messages(body)
+        try:
+            ids = self.tok.encode_chat(messages, add_generation_prompt=True)
+        except ValueError as e:
+            raise bad_request(f"cannot render the chat template: {e}", "messages") from None
+        self._check_prompt_len(len(ids), "messages")
+        lp, top = body.get("logprobs"), body.get("top_logprobs")
+        if lp not in (None, True, False):
+            raise bad_request("logprobs must be a boolean", "logprobs")
+        if top is not None:
+            if not lp:
+                raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+            if not (_is_int(top) and 0 <= top <= MAX_LOGPROBS):
+                raise bad_request(f"top_logprobs must be an int in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        params = self._params(body, len(ids), "max_completion_tokens", (top or 0) if lp else None)
+        return self._parsed(body, True, ids, params)
+
+    def completion(self, body: dict) -> Parsed:
+        self._unsupported(body, chat=False)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            ids = list(prompt)
+            if any(not 0 <= t < self.tok.vocab_size for t in ids):
+                raise bad_request("prompt token ids must lie in the vocabulary", "prompt")
+        elif isinstance(prompt, str) and prompt:
+            ids = self.tok.encode(prompt, add_special=True)
+        else:
+            raise bad_request("prompt must be a non-empty string (or one list of token ids)", "prompt")
+        self._check_prompt_len(len(ids), "prompt")
+        lp = body.get("logprobs")
+        if lp is not None and not (_is_int(lp) and 0 <= lp <= 5):
+            raise bad_request("logprobs must be an int in [0, 5]", "logprobs")
+        params = self._params(body, len(ids), "max_tokens", lp)
+        return self._parsed(body, False, ids, params)
+
+    # ---- pieces -----------------------------------------------------------------------------------
+
+    def _parsed(self, body: dict, chat: bool, ids: list[int], params: SamplingParams) -> Parsed:
+        n = body.get("n")
+        n = 1 if n is None else n
+        if not (_is_int(n) and 1 <= n <= MAX_CHOICES):
+            raise bad_request(f"n must be an int in [1, {MAX_CHOICES}]", "n")
+        # a seeded request with n choices: choice i draws from seed + i, so the choices differ and the
+        # whole reply is reproducible; unseeded choices each get their own random seed
+        per_choice = [params if params.seed is None else replace(params, seed=(params.seed + i) % 2**64)
+                      for i in range(n)]
+        try:
+            schema = GrammarCompiler.schema_of(body.get("response_format"))
+        except GrammarError as e:
+            raise bad_request(str(e), "response_format") from None
+        opts = body.get("stream_options") or {}
+        return Parsed(chat, ids, per_choice, schema, bool(body.get("stream")), bool(opts.get("include_usage")),
+                      params.logprobs is not None)
+
+    def _check_prompt_len(self, n: int, param: str) -> None:
+        if n >= self.max_model_len:
+            raise context_exceeded(self.max_model_len, n, param)
+
+    def _messages(self, body: dict) -> list[dict]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("messages must be a non-empty list", "messages")
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in _ROLES:
+                raise bad_request(f"messages[{i}] must have a role among {', '.join(_ROLES)}", "messages")
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for p in content:
+                    if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                        raise bad_request(f"messages[{i}].content: only text parts are supported", "messages")
+                    parts.append(p["text"])
+                content = "".join(parts)
+            elif content is None:
+                content = ""
+            elif not isinstance(content, str):
+                raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+            role = "system" if m["role"] == "developer" else m["role"]
+            out.append({"role": role, "content": content})
+        return out
+
+    @staticmethod
+    def _unsupported(body: dict, chat: bool) -> None:
+        for name in ("tools", "functions"):
+            if body.get(name):
+                raise bad_request(f"{name} are not supported", name)
+        if not chat:
+            if body.get("echo"):
+                raise bad_request("echo is not supported", "echo")
+            if body.get("best_of") not in (None, 1):
+                raise bad_request("best_of is not supported", "best_of")
+            if body.get("suffix"):
+                raise bad_request("suffix is not supported", "suffix")
+        if body.get("stream") not in (None, True, False):
+            raise bad_request("stream must be a boolean", "stream")
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise bad_request("stream_options must be an object", "stream_options")
+
+    def _params(self, body: dict, prompt_len: int, max_key: str, logprobs: int | None) -> SamplingParams:
+        kw: dict[str, Any] = {dst: body[src] for src, dst in _SAMPLING.items() if body.get(src) is not None}
+        kw.setdefault("temperature", 1.0)  # OpenAI's defaults
+        kw.setdefault("top_p", 1.0)
+        stop = body.get("stop")
+        if stop is not None:
+            if isinstance(stop, str):
+                stop = [stop]
+            if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+                raise bad_request("stop must be a string or a list of strings", "stop")
+            kw["stop"] = tuple(s for s in stop if s)
+        bias = body.get("logit_bias")
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise bad_request("logit_bias must be an object mapping token ids to numbers", "logit_bias")
+            try:
+                bias = {int(k): v for k, v in bias.items()}
+            except (TypeError, ValueError):
+                raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+            vocab = self.tok.vocab_size
+            bad_ids = [t for t in bias if not 0 <= t < vocab]
+            if bad_ids:
+                raise bad_request(f"logit_bias token id {bad_ids[0]} is outside the vocabulary [0, {vocab})",
+                                  "logit_bias")
+            kw["logit_bias"] = bias
+        room = self.max_model_len - prompt_len
+        max_tokens = body.get(max_key)
+        if max_key == "max_completion_tokens" and max_tokens is None:
+            max_tokens, max_key = body.get("max_tokens"), "max_tokens"
+        if max_tokens is not None:
+            if not (_is_int(max_tokens) and max_tokens >= 1):
+                raise bad_request(f"{max_key} must be an int >= 1, got {max_tokens!r}", max_key)
+            if max_tokens > room:
+                raise context_exceeded(self.max_model_len, prompt_len, max_key, max_tokens, max_key)
+            kw["max_tokens"] = max_tokens
+        else:
+            kw["max_tokens"] = room
+        kw["logprobs"] = logprobs
+        try:
+            return SamplingParams(**kw)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            name = msg.split(" ", 1)[0]
+            param = next((k for k, v in _SAMPLING.items() if v == name), name if name in _PARAMS_FIELDS else None)
+            if param == "max_tokens":
+                param = max_key
+            raise bad_request(msg, param) from None
