@@ -3,6 +3,7 @@ real uvicorn server on a free loopback port, over a tiny random model and a byte
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -363,8 +364,6 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "digit": {
 
 def test_json_schema_constrains_a_random_model(client):
     """Even a random model's reply matches the schema: the grammar masks every step's logits."""
-    import json
-
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
     for seed in range(3):
         r = client.chat.completions.create(model=NAME, messages=MSGS, temperature=1.0, seed=seed, max_tokens=40,
@@ -406,3 +405,38 @@ def test_health_is_503_until_the_model_is_ready():
     finally:
         srv.should_exit = True
         th.join(timeout=10)
+
+
+def test_failure_after_the_stream_began_is_an_error_event(server, client):
+    """A step that fails mid-reply: the stream already sent its role and some text, so the failure
+    arrives as one `data: {"error": ...}` event and the stream closes (no [DONE]); a non-streamed
+    request failing the same way is a 500 with the error body. Afterwards the server serves again."""
+    engine = server[0]
+    run, calls = engine._run, []
+
+    def failing(scheduled):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("simulated kernel failure")
+        return run(scheduled)
+
+    engine._run = failing
+    try:
+        with httpx.stream("POST", server[1] + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"messages": MSGS, "max_tokens": 20, "stream": True, "logit_bias": NO_EOS},
+                          timeout=30) as r:
+            events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200
+        first, last = json.loads(events[0]), json.loads(events[-1])
+        assert first["choices"][0]["delta"]["role"] == "assistant"
+        assert any(json.loads(e)["choices"][0]["delta"].get("content") for e in events[1:-1])
+        assert set(last) == {"error"} and "simulated kernel failure" in last["error"]["message"]
+        assert "[DONE]" not in events
+        calls.clear()
+        e = error_of(lambda: client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=20,
+                                                            logit_bias=NO_EOS))
+        assert e.status_code == 500 and "simulated kernel failure" in e.response.json()["error"]["message"]
+    finally:
+        engine._run = run
+    assert client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=2).choices
+    assert engine.blocks.num_used_pages == 0
