@@ -3,8 +3,9 @@
 One kernel serves every lowbit layout — int4 symmetric (w = d * (u - 8)) and asymmetric
 (w = d * u + m) with groups of 32/64/128, int8 per group (w = d * q) and per output channel —
 for fp16/bf16 activations (and fp32, computed in IEEE fp32, for the exact path), with fp32
-accumulation. The weights are read packed and dequantized in registers; no dequantized weight is
-ever written to memory.
+accumulation. Decode and small batches read the weights packed and dequantize in registers; only
+the prefill form "dequant" (M >= DEQUANT_MIN_ROWS, 16-bit x and y) writes a dequantized copy of W,
+for that call only (4096x4096 in bf16: 32 MiB, freed on return), and hands the product to cuBLAS.
 
 Layout (`WQPacked`), built once at load time from the loader's row-major layout:
 
@@ -13,21 +14,32 @@ Layout (`WQPacked`), built once at load time from the loader's row-major layout:
     int8  qweight int8  [Kp, N]
           scales  fp16  [G, N]     (fp32 [1, N] per channel), mins fp16 [G, N] (int4 asymmetric)
 
-K-major with N contiguous: a tile [BLOCK_K, BLOCK_N] is BLOCK_K/8 (int4) or BLOCK_K (int8) runs
-of BLOCK_N contiguous words, so the loads along N coalesce into 128-bit vectors (4 int32 words or
-16 int8 codes per thread), and a group's scales are one contiguous row.
+K-major with N contiguous: a tile of BLOCK_K/8 (int4) or BLOCK_K (int8) rows of BLOCK_N contiguous
+words, so the loads along N coalesce, each packed word is loaded once, and a group's scales are
+one contiguous row.
 
-Arithmetic: a K tile never straddles a group (BLOCK_K = group size), so the scale factors out
-of the tile's dot product: acc += (x @ u) * d  (+ rowsum(x) * m for the asymmetric layout).
+Arithmetic: a K tile never straddles a group (BLOCK_K divides the group size), so the scale factors
+out of the tile's dot product: acc += (x @ u) * d  (+ rowsum(x) * m for the asymmetric layout).
 The codes u (0..15, -8..7, -127..127) are exact in fp16/bf16, so the tensor-core dot multiplies
 the activations by exact integers and only the fp32 accumulation rounds — more accurate than
-dequantizing w to fp16/bf16 first, which would round every weight (2^-11 / 2^-8 relative).
+dequantizing w to fp16/bf16 first, which rounds every weight (2^-11 / 2^-8 relative). The
+"dequant" prefill form does round each weight once, to x's dtype (per-channel int8 excepted: it
+multiplies by the exact codes and scales y). Measured on N(0, 1) x and weights, K = 256, as rms
+error / rms(y): bf16 3.5e-3 against 1.7e-3 for y's own rounding alone (about what the fused forms
+reach), fp16 2.8e-4 against 2.1e-4 — inside the tests' tolerances (test_dequant_form).
 
-Two launch shapes of the same kernel:
-- decode, M <= 16: one 16-row tile, split-K over the grid so that ~2 programs per SM stream the
-  weights exactly once, partial sums combined with fp32 atomics;
-- prefill: tiled GEMM, 64-128 rows per tile, tiles ordered in groups along M so the weight
-  columns a group reads stay in L2.
+Forms of the K tile (LaunchConfig.form), chosen by `choose_config`:
+- nib (int4, 128-wide groups): 8 dots over k = 8i + j, one per nibble j, each code a shift and a
+  mask of the loaded word, turned into a float by OR-ing it into the mantissa of 128 (bf16) or
+  1024 (fp16) and subtracting that: no [BK, BN] tile is rebuilt through shared memory;
+- dot / swap: the codes unpacked to a [BK, BN] tile (swap: y^T = W x^T, the codes as the register
+  A operand of Hopper's wgmma);
+- gather: the first version (each int32 word loaded 8 times), kept for comparison in the benchmark.
+
+Launch shapes: decode, M <= 16: one row tile, split-K over the grid so that ~4 programs per SM
+stream the weights once, each split writing its fp32 partial sums to its own slice of a workspace
+that one small kernel sums in a fixed order (deterministic) and casts; prefill: tiled GEMM, 64-128
+rows per tile, tiles ordered in groups along M so the weight columns a group reads stay in L2.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from lowbit.kernels.int8_mm import int8_dequant_ref
 from lowbit.kernels.triton_import import OutOfResources, check_device, interpreting, tl, triton
 
 DECODE_MAX_ROWS = 16  # up to this many rows: the split-K decode launch
+DEQUANT_MIN_ROWS = 256  # from this many rows (16-bit x and y): dequantize, then cuBLAS
 
 
 @dataclass
@@ -97,10 +110,86 @@ def wq_pack_int8(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) 
 
 
 @triton.jit
-def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, Kp, stride_xm, stride_ym,
+def _codes(q_ptr, t, offs_n, n_ok, N, Kp, BITS: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, TRANS: tl.constexpr):
+    """The integer codes of K tile t, [BK, BN] (TRANS: [BN, BK]); each packed word is loaded once."""
+    if BITS == 4:
+        offs_w = t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # word rows: k = 8i .. 8i+7
+        shifts = tl.arange(0, 8) * 4
+        if TRANS:
+            words = tl.load(q_ptr + offs_w[None, :] * N + offs_n[:, None],
+                            mask=n_ok[:, None] & (offs_w[None, :] < Kp // 8), other=0)  # [BN, BK/8]
+            u = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]
+            u = tl.reshape(u, (BLOCK_N, BLOCK_K))  # [BN, BK]: column 8i + j = nibble j of word i
+        else:
+            words = tl.load(q_ptr + offs_w[:, None] * N + offs_n[None, :],
+                            mask=(offs_w[:, None] < Kp // 8) & n_ok[None, :], other=0)  # [BK/8, BN]
+            u = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]
+            u = tl.reshape(u, (BLOCK_K, BLOCK_N))  # [BK, BN]: row 8i + j = nibble j of word i
+        if not HAS_MIN:
+            u = u - 8
+    else:
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        if TRANS:
+            u = tl.load(q_ptr + offs_k[None, :] * N + offs_n[:, None],
+                        mask=n_ok[:, None] & (offs_k[None, :] < Kp), other=0)  # [BN, BK] int8
+        else:
+            u = tl.load(q_ptr + offs_k[:, None] * N + offs_n[None, :],
+                        mask=(offs_k[:, None] < Kp) & n_ok[None, :], other=0)  # [BK, BN] int8
+    return u
+
+
+@triton.jit
+def _nibble_dots(x_ptr, q_ptr, t, offs_m, m_ok, offs_n, n_ok, N, K, Kp, stride_xm, HAS_MIN: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                 SWAP: tl.constexpr, INTERP: tl.constexpr):
+    """int4 K tile t as 8 dots, one per nibble j over k = 8i + j (the sum over k in another order):
+    every code is a shift and a mask of the loaded word in the word's own register layout, so no
+    [BK, BN] tile is rebuilt through shared memory. For 16-bit x the code c becomes a float by OR-ing
+    its bits into the mantissa of 128 (bf16 0x4300) or 1024 (fp16 0x6400) and subtracting that
+    (and 8 more for symmetric codes) in x's dtype: exact, two instructions per pair of codes.
+    Returns x @ codes in fp32 ([BM, BN], SWAP: [BN, BM])."""
+    BK8: tl.constexpr = BLOCK_K // 8
+    BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    offs_i = t * BLOCK_K + 8 * tl.arange(0, BK8)  # k of nibble 0 of each word row
+    w_i = t * BK8 + tl.arange(0, BK8)
+    if SWAP:
+        words = tl.load(q_ptr + w_i[None, :] * N + offs_n[:, None], mask=n_ok[:, None] & (w_i[None, :] < Kp // 8),
+                        other=0)  # [BN, BK/8]
+        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        words = tl.load(q_ptr + w_i[:, None] * N + offs_n[None, :], mask=(w_i[:, None] < Kp // 8) & n_ok[None, :],
+                        other=0)  # [BK/8, BN]
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in tl.static_range(8):
+        if SWAP:
+            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + (offs_i + j)[:, None],
+                        mask=m_ok[None, :] & ((offs_i + j) < K)[:, None], other=0.0)  # [BK/8, BM] = x[:, 8i + j]^T
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (offs_i + j)[None, :],
+                        mask=m_ok[:, None] & ((offs_i + j) < K)[None, :], other=0.0)  # [BM, BK/8] = x[:, 8i + j]
+        c = (words >> (4 * j)) & 0xF
+        if IEEE:
+            c = c.to(tl.float32) - (0.0 if HAS_MIN else 8.0)
+        elif BF16 and INTERP:  # the interpreter keeps bf16 as raw uint16 bits: no bf16 arithmetic there
+            c = (c.to(tl.float32) - (0.0 if HAS_MIN else 8.0)).to(tl.bfloat16)
+        elif BF16:
+            c = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 if HAS_MIN else 136.0)
+        else:
+            c = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 if HAS_MIN else 1032.0)
+        if SWAP:
+            part += tl.dot(c, x, input_precision="ieee" if IEEE else None)
+        else:
+            part += tl.dot(x, c, input_precision="ieee" if IEEE else None)
+    return part
+
+
+@triton.jit
+def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, Kp, stride_xm, stride_ym, stride_ys,
                   BITS: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+                  SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, FORM: tl.constexpr,
+                  INTERP: tl.constexpr):
     # Tile order: GROUP_M row tiles sweep the same column tiles before moving on (L2 reuse).
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
@@ -115,42 +204,117 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, Kp, stride_xm, str
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    SWAP: tl.constexpr = FORM == 2 or FORM == 5  # y^T = W x^T: the codes are the dot's register operand A
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # K tiles of this program: pid_k, pid_k + SPLIT_K, ... (each tile lies inside one group)
     for t in range(tl.program_id(1), tl.cdiv(Kp, BLOCK_K), SPLIT_K):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # [BM, BK]
-        w_ok = (offs_k[:, None] < Kp) & n_ok[None, :]
-        if BITS == 4:
-            words = tl.load(q_ptr + (offs_k // 8)[:, None] * N + offs_n[None, :], mask=w_ok, other=0)
-            u = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF  # [BK, BN] codes 0..15
-            if not HAS_MIN:
-                u = u - 8
+        if FORM >= 4:
+            part = _nibble_dots(x_ptr, q_ptr, t, offs_m, m_ok, offs_n, n_ok, N, K, Kp, stride_xm,
+                                HAS_MIN, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, SWAP, INTERP)
+            if HAS_MIN:  # one contiguous reload of the tile (L1) for its row sums
+                if SWAP:
+                    xsum = tl.sum(tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                                          mask=m_ok[None, :] & (offs_k[:, None] < K), other=0.0).to(tl.float32),
+                                  axis=0)[None, :]  # [1, BM]
+                else:
+                    xsum = tl.sum(tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                                          mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32),
+                                  axis=1)[:, None]  # [BM, 1]
+        elif SWAP:
+            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                        mask=m_ok[None, :] & (offs_k[:, None] < K), other=0.0)  # [BK, BM] = x^T
+            u = _codes(q_ptr, t, offs_n, n_ok, N, Kp, BITS, HAS_MIN, BLOCK_N, BLOCK_K, True)  # [BN, BK]
+            xsum = tl.sum(x.to(tl.float32), axis=0)[None, :]  # [1, BM]
         else:
-            u = tl.load(q_ptr + offs_k[:, None] * N + offs_n[None, :], mask=w_ok, other=0)  # [BK, BN] int8
-        # integers -> fp32 -> the activation dtype: exact either way (|u| <= 127)
-        b = u.to(tl.float32).to(x.dtype)
-        if IEEE:
-            part = tl.dot(x, b, input_precision="ieee")
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # [BM, BK]
+            xsum = tl.sum(x.to(tl.float32), axis=1)[:, None]  # [BM, 1]
+            if FORM == 0:  # the first formulation, kept for comparison: each word loaded 8 times
+                w_ok = (offs_k[:, None] < Kp) & n_ok[None, :]
+                if BITS == 4:
+                    words = tl.load(q_ptr + (offs_k // 8)[:, None] * N + offs_n[None, :], mask=w_ok, other=0)
+                    u = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF  # [BK, BN] codes 0..15
+                    if not HAS_MIN:
+                        u = u - 8
+                else:
+                    u = tl.load(q_ptr + offs_k[:, None] * N + offs_n[None, :], mask=w_ok, other=0)  # [BK, BN]
+            else:
+                u = _codes(q_ptr, t, offs_n, n_ok, N, Kp, BITS, HAS_MIN, BLOCK_N, BLOCK_K, False)  # [BK, BN]
+        # The codes (|u| <= 127) are exact in fp16/bf16/fp32, so only the fp32 accumulation rounds.
+        if FORM >= 4:
+            pass
+        elif SWAP:
+            u = u.to(tl.float32).to(x.dtype)  # via fp32: Triton's interpreter casts int -> bf16 wrongly
+            if IEEE:
+                part = tl.dot(u, x, input_precision="ieee")  # [BN, BM]
+            else:
+                part = tl.dot(u, x)
         else:
-            part = tl.dot(x, b)
+            u = u.to(tl.float32).to(x.dtype)
+            if IEEE:
+                part = tl.dot(x, u, input_precision="ieee")  # [BM, BN]
+            else:
+                part = tl.dot(x, u)
         if PER_CHANNEL:
             acc += part
         else:
             g = (t * BLOCK_K) // GROUP
             d = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
-            acc += part * d[None, :]
+            dd = d[:, None] if SWAP else d[None, :]
+            acc += part * dd
             if HAS_MIN:
                 mn = tl.load(m_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
-                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * mn[None, :]
+                acc += xsum * (mn[:, None] if SWAP else mn[None, :])
     if PER_CHANNEL:
-        acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        d = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)  # fp32 [BN]
+        acc = acc * (d[:, None] if SWAP else d[None, :])
+    # SPLIT_K > 1: y is an fp32 workspace [SPLIT_K, M, N], one slice per split, summed by _wq_reduce_kernel
+    y_ptr += tl.program_id(1) * stride_ys
+    if SWAP:
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[None, :] & n_ok[:, None])
     else:
-        tl.atomic_add(y_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _wq_reduce_kernel(ws_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum of the SPLIT_K fp32 partial sums in a fixed order (deterministic, unlike atomics),
+    cast to y's dtype: one small kernel in place of a zero-fill, atomics and a cast."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _wq_dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, N, Kp, BITS: tl.constexpr, HAS_MIN: tl.constexpr,
+                       PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """W^T [Kp, N] in w's dtype for the prefill path: d * u (+ m) in fp32, rounded once; per channel
+    the bare codes (exact), whose scale the caller applies to y."""
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+    u = _codes(q_ptr, t, offs_n, n_ok, N, Kp, BITS, HAS_MIN, BLOCK_N, BLOCK_K, False).to(tl.float32)  # [BK, BN]
+    if not PER_CHANNEL:
+        g = (t * BLOCK_K) // GROUP
+        u = u * tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_MIN:
+            u = u + tl.load(m_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(w_ptr + offs_k[:, None] * N + offs_n[None, :], u.to(w_ptr.dtype.element_ty),
+             mask=(offs_k[:, None] < Kp) & n_ok[None, :])
+
+
+FORMS = ("gather", "dot", "swap", "dequant", "nib", "nibswap")  # index = the kernel's FORM
 
 
 @dataclass(frozen=True)
@@ -162,6 +326,10 @@ class LaunchConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    # how a tile is computed: "dot" y = x @ codes; "swap" y^T = codes^T @ x^T (the codes stay in
+    # registers as the tensor-core A operand); "dequant" a W^T copy
+    # in x's dtype, then torch.matmul (cuBLAS); "gather" the first version (each word loaded 8 times)
+    form: str = "dot"
 
 
 def _sm_count(device: torch.device) -> int:
@@ -176,12 +344,20 @@ def _smem_limit(device: torch.device) -> int | None:
 
 
 def smem_estimate(cfg: LaunchConfig, x_bytes: int, bits: int) -> int:
-    """Bytes of shared memory a launch needs, on the safe side: each pipeline stage holds the x tile,
-    the weight codes and their converted [BK, BN] operand (both in x's dtype), and the epilogue an
-    fp32 [BM, BN] tile. Checked on an H200 (Triton 3.6): int4 g128, fp16, 128x128x128 with 3 stages
-    asked for 241,664 bytes (estimate 286,720) and did not fit its 232,448."""
-    stage = (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * x_bytes + cfg.block_k * cfg.block_n * bits // 8
-    return cfg.num_stages * stage + cfg.block_m * cfg.block_n * 4
+    """Bytes of shared memory a launch needs, on the safe side: each pipeline stage holds the x tile
+    and the packed weight tile, plus one [BK, BN] operand in x's dtype and an fp32 [BM, BN] epilogue
+    tile. The "gather" form's stage held its [BK, BN] tile of repeated int32 words (8x the packed
+    bytes) and its converted operand: on an H200 (Triton 3.6) int4 g128, fp16, 128x128x128 with 3
+    stages asked for 241,664 bytes (estimate 286,720) and did not fit its 232,448."""
+    x_tile = cfg.block_m * cfg.block_k * x_bytes
+    operand = cfg.block_k * cfg.block_n * x_bytes
+    if cfg.form == "dequant":
+        return 0
+    if cfg.form == "gather":
+        stage = x_tile + operand + cfg.block_k * cfg.block_n * bits // 8
+        return cfg.num_stages * stage + cfg.block_m * cfg.block_n * 4
+    stage = x_tile + cfg.block_k * cfg.block_n * bits // 8
+    return cfg.num_stages * stage + operand + cfg.block_m * cfg.block_n * 4
 
 
 def shrink(cfg: LaunchConfig) -> LaunchConfig | None:
@@ -198,24 +374,37 @@ def shrink(cfg: LaunchConfig) -> LaunchConfig | None:
     return None
 
 
-def choose_config(M: int, w: WQPacked, device: torch.device, x_dtype: torch.dtype = torch.float16) -> LaunchConfig:
-    """Tile shapes by problem shape. Decode: BLOCK_N 128 and split-K so the grid holds ~2 programs
-    per SM (4096x4096 on 132 SMs: 32 column tiles x 8 splits). Prefill: 64- or 128-row tiles.
-    Then shrunk until `smem_estimate` fits the device's shared memory (fp32 x and 128-wide groups
-    are what overflow it)."""
+def choose_config(M: int, w: WQPacked, device: torch.device, x_dtype: torch.dtype = torch.float16,
+                  out_dtype: torch.dtype | None = None) -> LaunchConfig:
+    """Tile shapes and form by problem shape (form choice from sm_90 SASS of one 128x64 int4 tile per
+    program, bf16, instructions in the loop per packed int32 word: gather 92, dot 59, swap 66,
+    nib 46 (symmetric) / 59 (with mins); streaming 4.8 TB/s over 132 SMs leaves ~28). Decode: nib for
+    128-wide groups, dot for narrower ones, split-K so the grid holds ~4 programs of 64 columns per SM.
+    (A CUDA-core "gemv" form was tried and dropped: wrong on the H200, right under the interpreter.) Prefill: 64- or 128-row tiles; from DEQUANT_MIN_ROWS rows (16-bit x and y) the
+    dequantize-then-cuBLAS form. Then shrunk until `smem_estimate` fits the device's shared memory."""
     N, Kp = w.out_features, w.padded_in_features
     bk = w.group_size if not w.per_channel else 128
     k_tiles = triton.cdiv(Kp, bk)
+    sixteen_bit = x_dtype != torch.float32 and (out_dtype or x_dtype) == x_dtype
     if M <= DECODE_MAX_ROWS:
-        bn = 128 if N >= 2048 else 64
+        # H200 sweep, int4-g128 4096x4096 (Triton 3.6, bf16, explicit configs): M = 1 best nib bn64
+        # split 8 w8 0.041 ms (w4: 0.095); M = 16 best nib bn128 split 8 0.038 ms (bn64: 0.115)
+        if w.bits == 4 and bk % 128 == 0:
+            bm, bn, form = 16, 64 if M == 1 else 128, "nib"  # 8 dots of K = bk/8 >= 16
+        else:
+            bm, bn, form = 16, 64, "dot"
         tiles = triton.cdiv(N, bn)
-        split = max(1, min(k_tiles, (2 * _sm_count(device)) // tiles))
-        cfg = LaunchConfig(16, bn, bk, split, 1, 4, 4)
+        per_sm = 4 if bn == 64 else 2  # the same weight bytes per program either way
+        split = max(1, min(k_tiles, (per_sm * _sm_count(device)) // tiles))
+        cfg = LaunchConfig(bm, bn, bk, split, 1, 8 if form == "nib" else 4, 3, form)
+    elif M >= DEQUANT_MIN_ROWS and sixteen_bit:
+        cfg = LaunchConfig(16, 128, bk, 1, 1, 4, 1, "dequant")
+    elif M <= 128:
+        cfg = LaunchConfig(64, 128, bk, 1, 8, 4, 3, "dot")  # sm_90: 255 registers, no spill to speak of
     else:
-        bm = 64 if M <= 128 else 128
-        cfg = LaunchConfig(bm, 128, bk, 1, 8, 8 if bm == 128 else 4, 3)
+        cfg = LaunchConfig(128, 128, bk, 1, 8, 8, 3, "swap")  # "dot" spills at 128x128 with 8 warps
     limit = _smem_limit(device)
-    x_bytes = torch.empty((), dtype=x_dtype).element_size()
+    x_bytes = x_dtype.itemsize
     while limit is not None and smem_estimate(cfg, x_bytes, w.bits) > limit and (smaller := shrink(cfg)):
         cfg = smaller
     return cfg
@@ -236,16 +425,15 @@ def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
     if x.device != w.qweight.device:
         raise ValueError(f"wq_mm: x is on {x.device}, the weight on {w.qweight.device}")
     M, N = x.shape[0], w.out_features
-    cfg = config or choose_config(M, w, x.device, x.dtype)
+    out_dtype = out_dtype or x.dtype
+    cfg = config or choose_config(M, w, x.device, x.dtype, out_dtype)
+    if cfg.form not in FORMS:
+        raise ValueError(f"wq_mm: unknown form {cfg.form!r}, expected one of {FORMS}")
     if not w.per_channel and w.group_size % cfg.block_k:
         raise ValueError(f"wq_mm: BLOCK_K={cfg.block_k} must divide the group size {w.group_size}")
-    out_dtype = out_dtype or x.dtype
-    if cfg.split_k > 1:
-        y = torch.zeros((M, N), device=x.device, dtype=torch.float32)
-    else:
-        y = torch.empty((M, N), device=x.device, dtype=out_dtype)
+    y = torch.empty((M, N), device=x.device, dtype=out_dtype)
     if M == 0:
-        return y.to(out_dtype)
+        return y
     while True:
         try:
             _launch(x, w, y, cfg)
@@ -255,19 +443,34 @@ def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
             # (y is untouched), so a smaller config may retry; an explicit config is the caller's
             if config is not None or (cfg := shrink(cfg)) is None:
                 raise
-    return y if y.dtype == out_dtype else y.to(out_dtype)
+    return y
 
 
 def _launch(x: torch.Tensor, w: WQPacked, y: torch.Tensor, cfg: LaunchConfig) -> None:
     M, N = x.shape[0], w.out_features
+    tune = {} if interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.form == "dequant":
+        # prefill: a per-call W^T copy [Kp, N] in x's dtype (4096x4096 bf16: 32 MiB, freed on return)
+        wt = torch.empty((w.padded_in_features, N), device=x.device, dtype=x.dtype)
+        _wq_dequant_kernel[(triton.cdiv(wt.shape[0], cfg.block_k), triton.cdiv(N, cfg.block_n))](
+            w.qweight, w.scales, w.scales if w.mins is None else w.mins, wt, N, wt.shape[0],
+            BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **tune)
+        out = torch.matmul(x, wt[:w.in_features])  # cuBLAS, fp32 accumulation
+        y.copy_(out if not w.per_channel else out * w.scales)  # per channel: y = (x @ q^T) * s
+        return
+    # split-K: each split writes its fp32 partial sums to its own slice, then one reduction kernel
+    ws = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
     _wq_mm_kernel[grid](
-        x, w.qweight, w.scales, w.scales if w.mins is None else w.mins, y,
-        M, N, w.in_features, w.padded_in_features, x.stride(0), y.stride(0),
+        x, w.qweight, w.scales, w.scales if w.mins is None else w.mins, ws,
+        M, N, w.in_features, w.padded_in_features, x.stride(0), N if cfg.split_k > 1 else y.stride(0), M * N,
         BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        GROUP_M=cfg.group_m, IEEE=x.dtype == torch.float32,
-        **({} if interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}))
+        GROUP_M=cfg.group_m, IEEE=x.dtype == torch.float32, FORM=FORMS.index(cfg.form), INTERP=interpreting(),
+        **tune)
+    if cfg.split_k > 1:
+        _wq_reduce_kernel[(triton.cdiv(M * N, 1024),)](ws, y, M * N, SPLIT_K=cfg.split_k, BLOCK=1024)
 
 
 def wq_dequant_ref(w: WQPacked, cols: torch.Tensor | None = None) -> torch.Tensor:

@@ -140,7 +140,7 @@ echo "compile warm-up: waited $((SECONDS - t0))s more; $(tail -n 1 "$RESULTS/war
 # d. microbenchmark (+ sweep with whatever its budget leaves)
 t=$(cap 90 50)
 step "gpu_kernels.py" "$RESULTS/gpu_kernels.txt" "$t" \
-    "$PY" tests/bench/gpu_kernels.py --out "$RESULTS" --sweep --budget-s $((t > 30 ? t - 20 : 10))
+    "$PY" tests/bench/gpu_kernels.py --out "$RESULTS" --graphs --sweep --budget-s $((t > 30 ? t - 20 : 10))
 
 # e. end-to-end decode
 t=$(cap 120 3)

@@ -13,12 +13,13 @@ Each row: y[M, N] = x[M, K] @ W^T with x in --dtype, W in one lowbit layout (pac
 device, random but valid: every int32 word is 8 int4 codes), timed by triton.testing.do_bench
 (median of its reps, L2 cleared before each rep), against torch F.linear(x, W) with W in --dtype
 (cuBLAS), timed the same way (once per shape and M). lowbit's time is the whole wq_mm call, as the
-model pays it (split-K: also its zero-filled fp32 output and the cast). GB/s counts the bytes a call
-must move at least: packed weight + scales (+ mins) + x + y. TFLOP/s = 2*M*N*K / time. % peak = GB/s / --peak-gbs
+model pays it (split-K: also its reduction kernel; prefill "dequant": also writing its W^T copy).
+GB/s counts the bytes a call must move at least: packed weight + scales (+ mins) + x + y. TFLOP/s = 2*M*N*K / time. % peak = GB/s / --peak-gbs
 (default by GPU name: H200 4800, H100 SXM 3350, otherwise none). Every layout and shape is checked
 against wq_mm_ref (fp32) at --check-m rows; a wrong result exits 1 after the table.
 --sweep times a few LaunchConfigs on 4096x4096 int4-g128 for M = 1, 16, 2048 (input for
-choose_config). --precompile N compiles the kernels in N worker processes before timing (Triton's
+choose_config), the kernel forms among them (LaunchConfig.form: the first version "gather" beside
+"nib", "dot", "swap", "dequant"), so one run compares old and new. --precompile N compiles the kernels in N worker processes before timing (Triton's
 disk cache), so a fresh machine spends seconds, not minutes, compiling. --budget-s stops starting
 new rows when exceeded (the outputs then say which rows were skipped, and the exit status is 3).
 """
@@ -101,17 +102,24 @@ def packed_bytes(w: WQPacked) -> int:
 
 
 def cfg_str(c: LaunchConfig) -> str:
-    return f"bm{c.block_m} bn{c.block_n} bk{c.block_k} sk{c.split_k} gm{c.group_m} w{c.num_warps} s{c.num_stages}"
+    return (f"{c.form} bm{c.block_m} bn{c.block_n} bk{c.block_k} sk{c.split_k} gm{c.group_m} w{c.num_warps}"
+            f" s{c.num_stages}")
 
 
-def bench_ms(fn, device: torch.device, warmup: int, rep: int) -> float:
-    """do_bench's median on CUDA (its L2 flush included); one perf_counter call elsewhere (smoke)."""
+def bench_ms(fn, device: torch.device, warmup: int, rep: int, graphs: bool = False) -> float:
+    """do_bench's median on CUDA (its L2 flush included); one perf_counter call elsewhere (smoke).
+    graphs: do_bench_cudagraph instead — the call replayed from a CUDA graph, so the time is the GPU's
+    alone, as in the model's graphed decode; without it a call whose kernels take less time than its
+    Python launch costs (~0.1 ms for wq_mm measured on the H200) is timed at the launch cost."""
     if device.type != "cuda":
         fn()
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    if graphs:
+        return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     median = ({"return_mode": "median"} if "return_mode" in inspect.signature(do_bench).parameters
               else {"quantiles": [0.5]})
     r = do_bench(fn, warmup=warmup, rep=rep, **median)
@@ -119,16 +127,25 @@ def bench_ms(fn, device: torch.device, warmup: int, rep: int) -> float:
 
 
 def sweep_candidates(M: int, layout: str, smoke: bool) -> tuple[list[LaunchConfig], tuple]:
-    """Stage 1: tile shape x split-K (decode) or tile shape (prefill) at default warps/stages;
-    stage 2 tries the (num_warps, num_stages) pairs returned here around the best two.
-    BLOCK_K is the group (choose_config's rule: a K tile never straddles a group), 128 per channel."""
+    """Stage 1: kernel forms (LaunchConfig.form: old "gather" against the new ones) x tile shape x
+    split-K (decode) or tile shape (prefill); stage 2 tries the (num_warps, num_stages) pairs
+    returned here around the best two. BLOCK_K is the group (a K tile never straddles a group),
+    128 per channel; the nibble forms need 128."""
     bk = parse_weights(layout).group_size or 128
+    nib = bk % 128 == 0 and parse_weights(layout).bits == 4
     if M <= DECODE_MAX_ROWS:
-        stage1 = [LaunchConfig(16, bn, bk, sk, 1, 4, 4) for bn in (64, 128, 256) for sk in (2, 4, 8, 16)]
-        variants = ((4, 2), (4, 3), (8, 3), (8, 4))
+        stage1 = [LaunchConfig(16, 64, bk, 4, 1, 4, 2, "gather"),  # the best of the first sweep (0.073 ms)
+                  *[LaunchConfig(16, bn, bk, sk, 1, 4, 3, "nib") for bn in (64, 128) for sk in (4, 8, 16) if nib],
+                  *[LaunchConfig(16, 64, bk, sk, 1, 4, 3, f) for f in ("nibswap",) for sk in (8,) if nib],
+                  *[LaunchConfig(16, 64, bk, sk, 1, 4, 3, f) for f in ("dot", "swap") for sk in (4, 8)],
+                  ]
+        variants = ((4, 2), (4, 4), (8, 3))
     else:
-        stage1 = [LaunchConfig(bm, bn, bk, 1, 8, 8 if bm == 128 else 4, 3) for bm in (64, 128) for bn in (64, 128, 256)]
-        variants = ((4, 3), (4, 4), (8, 2), (8, 3), (8, 4))
+        stage1 = [LaunchConfig(128, 128, bk, 1, 8, 8, 3, "gather"),  # the best of the first sweep (0.415 ms)
+                  LaunchConfig(16, 128, bk, 1, 1, 4, 1, "dequant"),
+                  *[LaunchConfig(bm, 128, bk, 1, 8, w, 3, f) for f in ("dot", "swap", *(("nib",) if nib else ()))
+                    for bm, w in ((64, 4), (128, 8))]]
+        variants = ((4, 3), (8, 2), (8, 4))
     return (stage1[:2], variants[:1]) if smoke else (stage1, variants)
 
 
@@ -199,7 +216,8 @@ class Run:
             self.wt[(N, K)] = (torch.randn(N, K, device=self.device) * 0.02).to(self.dtype)
         if (N, K, M) not in self.bf16:
             x, w = self.x(M, K), self.wt[(N, K)]
-            self.bf16[(N, K, M)] = bench_ms(partial(F.linear, x, w), self.device, self.a.warmup, self.a.rep)
+            self.bf16[(N, K, M)] = bench_ms(partial(F.linear, x, w), self.device, self.a.warmup, self.a.rep,
+                                               self.a.graphs)
         return self.bf16[(N, K, M)]
 
     def check(self, what: dict, y: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -241,7 +259,7 @@ class Run:
             x = self.x(M, K)
             if M in a.check_m:
                 self.check(what, wq_mm(x, w), wq_mm_ref(x, w))
-            ms_lb = bench_ms(partial(wq_mm, x, w), self.device, a.warmup, a.rep)
+            ms_lb = bench_ms(partial(wq_mm, x, w), self.device, a.warmup, a.rep, a.graphs)
             ms_t = self.torch_ms(N, K, M)
             nbytes = packed_bytes(w) + (M * K + M * N) * x.element_size()
             gbs = nbytes / ms_lb / 1e6
@@ -293,7 +311,7 @@ class Run:
                 continue
             try:
                 ok = self.check({**what, "config": cfg_str(c)}, wq_mm(x, w, c), ref)
-                timed[c] = bench_ms(partial(wq_mm, x, w, c), self.device, a.warmup, a.rep) if ok else None
+                timed[c] = bench_ms(partial(wq_mm, x, w, c), self.device, a.warmup, a.rep, a.graphs) if ok else None
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: that config is out
                 print(f"  {cfg_str(c)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
                 timed[c] = None
@@ -322,8 +340,9 @@ class Run:
         return {"device": dev, "torch": torch.__version__, "triton": getattr(triton, "__version__", "?"),
                 "dtype": self.a.dtype, "peak_gbs": self.a.peak_gbs, "warmup_ms": self.a.warmup, "rep_ms": self.a.rep,
                 "weights": "quantize_weight + wq_pack_*" if self.a.quantized else "random packed words on the device",
-                "timing": "triton.testing.do_bench median, L2 cleared per rep" if self.device.type == "cuda"
-                else "one perf_counter call (smoke, not a measurement)", "smoke": self.a.smoke}
+                "timing": ("one perf_counter call (smoke, not a measurement)" if self.device.type != "cuda" else
+                           "triton.testing.do_bench_cudagraph median (GPU time of graph replays)" if self.a.graphs
+                           else "triton.testing.do_bench median, L2 cleared per rep"), "smoke": self.a.smoke}
 
     def write(self) -> None:
         if not self.a.out:
@@ -384,6 +403,8 @@ def main(argv=None) -> int:
                     help="M values checked against wq_mm_ref (default 4,64: the decode and the tiled launch)")
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative error (Frobenius) vs wq_mm_ref")
     ap.add_argument("--sweep", action="store_true", help="also sweep LaunchConfigs on 4096x4096 int4-g128")
+    ap.add_argument("--graphs", action="store_true",
+                    help="time each call replayed from a CUDA graph (GPU time only, as graphed decode pays it)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no new row after this many seconds (0: none)")
     ap.add_argument("--precompile", type=int, help="worker processes compiling kernels first (default: min(8, cores/2); 0: off)")
     ap.add_argument("--compile-only", action="store_true",
