@@ -1,4 +1,4 @@
-"""The `lowbit` command: run, serve, pull, models, info.
+"""The `lowbit` command: run, serve, bench, pull, models, info.
 
 Every user-facing failure is a LowbitError (or a bad flag value) and ends as one line on stderr
 with exit status 1 — never a traceback (set LOWBIT_DEBUG=1 to see one).
@@ -11,6 +11,7 @@ import os
 import sys
 from types import MappingProxyType
 
+from lowbit.runtime.bench_cli import add_bench_parser, cmd_bench
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.registry import DEFAULT_MODEL
 
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most tokens per request, prompt and reply together (default: the model's context)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level (default info)")
+
+    add_bench_parser(sub)
 
     pull = sub.add_parser("pull", help="download a model into the model cache",
                           description="Fetch a model by alias and verify its sha256. The cache is "
@@ -295,7 +298,8 @@ def cmd_info(args) -> int:
     return 0
 
 
-COMMANDS = MappingProxyType({"run": cmd_run, "serve": cmd_serve, "pull": cmd_pull, "models": cmd_models, "info": cmd_info})
+COMMANDS = MappingProxyType({"run": cmd_run, "serve": cmd_serve, "bench": cmd_bench, "pull": cmd_pull,
+                             "models": cmd_models, "info": cmd_info})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "
 # fields accepted and deliberately without effect here
 _IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "stop", "logit_bias", "logprobs",
-           "response_format", *_SAMPLING, *_IGNORED}
+           "response_format", "ignore_eos", *_SAMPLING, *_IGNORED}  # ignore_eos: vLLM's and llama.cpp's extension
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                          "function_call", *_COMMON})
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix", *_COMMON})
@@ -179,6 +179,10 @@ class RequestParser:
 
     def _params(self, body: dict, prompt_len: int, max_key: str, logprobs: int | None) -> SamplingParams:
         kw: dict[str, Any] = {dst: body[src] for src, dst in _SAMPLING.items() if body.get(src) is not None}
+        if body.get("ignore_eos") is not None:
+            if not isinstance(body["ignore_eos"], bool):
+                raise bad_request("ignore_eos must be a boolean", "ignore_eos")
+            kw["ignore_eos"] = body["ignore_eos"]
         kw.setdefault("temperature", 1.0)  # OpenAI's defaults
         kw.setdefault("top_p", 1.0)
         stop = body.get("stop")

@@ -1,8 +1,14 @@
 """Shared pytest fixtures."""
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -76,3 +82,43 @@ def default_model(default_gguf):
 @pytest.fixture(scope="session")
 def wikitext_excerpt() -> bytes:
     return (Path(__file__).parent / "data" / "wikitext2_test_excerpt.txt").read_bytes()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def lowbit_server(default_gguf, tmp_path_factory):
+    """`lowbit serve` on the default model, started as users start it (a subprocess on a free
+    loopback port, API key from $LOWBIT_API_KEY = "sk-acceptance"), shared by the acceptance tests
+    of the server and of `lowbit bench`. Yields (base URL, /health codes seen until ready, log path)."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {**os.environ, "LOWBIT_API_KEY": "sk-acceptance"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "lowbit.runtime.cli", "serve", str(default_gguf),
+                                 "--port", str(port), "--kv-memory", "64MiB", "--max-num-seqs", "8"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    codes = []
+    deadline = time.time() + 120
+    try:
+        while not codes or codes[-1] != 200:
+            assert proc.poll() is None, log.read_text()
+            assert time.time() < deadline, "server not ready in 120 s:\n" + log.read_text()
+            try:
+                codes.append(httpx.get(base + "/health", timeout=2).status_code)
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        yield base, codes, log
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+

@@ -6,60 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import jsonschema
 import openai
 import pytest
 
 pytestmark = pytest.mark.slow
 
-KEY = "sk-acceptance"
+KEY = "sk-acceptance"  # tests/conftest.py's lowbit_server sets it
 MSGS = [{"role": "user", "content": "Give me a JSON object describing a cat with a name and an age."}]
 CAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
        "required": ["name", "age"], "additionalProperties": False}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def served(default_gguf, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "LOWBIT_API_KEY": KEY}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "lowbit.runtime.cli", "serve", str(default_gguf),
-                                 "--port", str(port), "--kv-memory", "64MiB", "--max-num-seqs", "8"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    codes = []
-    deadline = time.time() + 120
-    try:
-        while not codes or codes[-1] != 200:
-            assert proc.poll() is None, log.read_text()
-            assert time.time() < deadline, "server not ready in 120 s:\n" + log.read_text()
-            try:
-                codes.append(httpx.get(base + "/health", timeout=2).status_code)
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        yield base, codes, log
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def served(lowbit_server):
+    """(base URL, /health status codes seen while it started, log path)."""
+    return lowbit_server
 
 
 @pytest.fixture(scope="module")
