@@ -1,4 +1,4 @@
-"""The `lowbit` command: run, serve, bench, pull, models, info.
+"""The `lowbit` command: run, chat, serve, bench, pull, models, info.
 
 Every user-facing failure is a LowbitError (or a bad flag value) and ends as one line on stderr
 with exit status 1 — never a traceback (set LOWBIT_DEBUG=1 to see one).
@@ -12,6 +12,7 @@ import sys
 from types import MappingProxyType
 
 from lowbit.runtime.bench_cli import add_bench_parser, cmd_bench
+from lowbit.runtime.chat_cli import add_chat_parser, cmd_chat
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.registry import DEFAULT_MODEL
 
@@ -29,6 +30,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (cuda when a GPU and Triton are there, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
                    help="activation dtype on CUDA (default float16; the CPU path computes in fp32)")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache", default="k8v4", choices=("f16", "k8v8", "k8v4", "k4v4"),
+                   help="KV cache format of the paged engine (default k8v4)")
+    p.add_argument("--kv-memory", default="256MiB",
+                   help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, or on CUDA a share "
+                        "of the free GPU memory like 90%% (default 256MiB)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="most requests decoded together (default 16)")
+    p.add_argument("--ctx-size", type=int, default=None,
+                   help="most tokens per request, prompt and reply together (default: the model's context)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,18 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' (default: $LOWBIT_API_KEY; none when unset)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model id clients send and /v1/models lists (default: the model's file name)")
-    serve.add_argument("--kv-cache", default="k8v4", choices=("f16", "k8v8", "k8v4", "k4v4"),
-                       help="KV cache format of the paged engine (default k8v4)")
-    serve.add_argument("--kv-memory", default="256MiB",
-                       help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, or on CUDA a share "
-                            "of the free GPU memory like 90%% (default 256MiB)")
-    serve.add_argument("--max-num-seqs", type=int, default=16, help="most requests decoded together (default 16)")
-    serve.add_argument("--ctx-size", type=int, default=None,
-                       help="most tokens per request, prompt and reply together (default: the model's context)")
+    _add_engine_args(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level (default info)")
 
     add_bench_parser(sub)
+    add_chat_parser(sub, _add_model_args, _add_engine_args)
 
     pull = sub.add_parser("pull", help="download a model into the model cache",
                           description="Fetch a model by alias and verify its sha256. The cache is "
@@ -205,6 +211,25 @@ def _engine_run(lm, ids, params, kv_format, kv_memory, write):
     return GenerationResult(out, "".join(pieces), len(ids), t_first - t0, (t_last or t_first) - t_first, finish)
 
 
+def check_engine_args(args) -> None:
+    if args.max_num_seqs < 1:
+        raise LowbitError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+
+
+def load_served(args, kv_memory, progress: bool | None = None):
+    """Load the model and build its engine → what the server serves (`lowbit serve`, `lowbit chat`)."""
+    from lowbit.runtime.engine import AsyncEngine, Engine
+    from lowbit.runtime.loader import load
+    from lowbit.runtime.server import Served
+
+    lm = load(args.model_pos or args.model, args.weights, progress=progress, device=args.device, dtype=args.dtype)
+    engine = Engine(lm.model, lm.tokenizer, kv_format=args.kv_cache, kv_memory=kv_memory,
+                    max_num_seqs=args.max_num_seqs, max_model_len=args.ctx_size)
+    name = getattr(args, "served_model_name", None) or lm.path.name
+    return Served(AsyncEngine(engine), lm.tokenizer, name, engine.max_model_len,
+                  {"weights": lm.weights, "kv_cache": args.kv_cache, "device": str(lm.model.device)})
+
+
 def cmd_serve(args) -> int:
     import logging
     import threading
@@ -212,16 +237,12 @@ def cmd_serve(args) -> int:
     try:
         import uvicorn
 
-        from lowbit.runtime.server import Served, build_app
+        from lowbit.runtime.server import build_app
     except ImportError as e:
         raise LowbitError(f"`lowbit serve` needs fastapi and uvicorn ({e})") from None
-    from lowbit.runtime.engine import AsyncEngine, Engine
-    from lowbit.runtime.loader import load
-
     if not 0 < args.port < 65536:
         raise LowbitError(f"--port must be in 1..65535, got {args.port}")
-    if args.max_num_seqs < 1:
-        raise LowbitError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    check_engine_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("lowbit.server")
     kv_memory = parse_size(args.kv_memory)
@@ -232,12 +253,9 @@ def cmd_serve(args) -> int:
 
     def load_and_serve(server: uvicorn.Server) -> None:
         try:
-            lm = load(args.model_pos or args.model, args.weights, device=args.device, dtype=args.dtype)
-            engine = Engine(lm.model, lm.tokenizer, kv_format=args.kv_cache, kv_memory=kv_memory,
-                            max_num_seqs=args.max_num_seqs, max_model_len=args.ctx_size)
-            name = args.served_model_name or lm.path.name
-            app.state.lowbit.ready(Served(AsyncEngine(engine), lm.tokenizer, name, engine.max_model_len))
-            log.info("serving %s at %s (export OPENAI_BASE_URL=%s)%s", name, url, url,
+            served = load_served(args, kv_memory)
+            app.state.lowbit.ready(served)
+            log.info("serving %s at %s (export OPENAI_BASE_URL=%s)%s", served.model_name, url, url,
                      "" if api_key else "; no API key required")
         except BaseException as e:  # noqa: BLE001 - reported by cmd_serve once uvicorn has stopped
             failure.append(e)
@@ -298,7 +316,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-COMMANDS = MappingProxyType({"run": cmd_run, "serve": cmd_serve, "bench": cmd_bench, "pull": cmd_pull,
+COMMANDS = MappingProxyType({"run": cmd_run, "serve": cmd_serve, "chat": cmd_chat, "bench": cmd_bench, "pull": cmd_pull,
                              "models": cmd_models, "info": cmd_info})
 
 

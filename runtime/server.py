@@ -42,7 +42,7 @@ class Served:
     tokenizer: object
     model_name: str
     max_model_len: int
-
+    formats: dict | None = None  # weights / kv_cache / device, listed under "lowbit" in /v1/models
 
 class AppState:
     """The app's one piece of state: loading until `ready` is called with what to serve."""
@@ -216,8 +216,11 @@ def build_app(served: Served | None = None, api_key: str | None = None) -> FastA
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_card(served: Served) -> dict:
-        return {"id": served.model_name, "object": "model", "created": created, "owned_by": "lowbit",
+        card = {"id": served.model_name, "object": "model", "created": created, "owned_by": "lowbit",
                 "root": served.model_name, "max_model_len": served.max_model_len}
+        if served.formats:
+            card["lowbit"] = served.formats
+        return card
 
     @app.get("/v1/models")
     async def models(request: Request):
