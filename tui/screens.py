@@ -114,7 +114,7 @@ class HistoryScreen(ModalScreen[int | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label("Chats — Enter open · r rename · d delete · e export to Markdown · Esc close")
+            yield Label("Enter open · r rename · d delete · e export to Markdown · Esc close")
             yield OptionList(id="chats")
 
     def on_mount(self) -> None:
