@@ -125,7 +125,7 @@ class ChatApp(App):
             await asyncio.sleep(0.25)
         try:
             models = await self.client.models()
-        except ChatError as e:
+        except (ChatError, ValueError, KeyError) as e:  # unreachable, or not an OpenAI server
             self.notify(str(e), title="Server unavailable", severity="error")
             status.update(f"no server at {self.client.base_url}")
             return
@@ -190,6 +190,9 @@ class ChatApp(App):
                     self.last_stats = chunk.stats
         except ChatError as e:
             self.notify(str(e), title="Request failed", severity="error")
+            reply.stopped = bool(reply.content)
+        except Exception as e:  # noqa: BLE001 - a bug still ends as a notification, not a traceback
+            self.notify(f"{type(e).__name__}: {e}", title="Unexpected error", severity="error")
             reply.stopped = bool(reply.content)
         except BaseException:  # cancelled by Esc (or the app closing): keep what came, marked stopped
             reply.stopped = True
