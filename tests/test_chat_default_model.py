@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from lowbit.runtime.chat_cli import start_local_server
+from lowbit.runtime.chat_cli import start_local_server, stop_local_server
 from lowbit.runtime.cli import build_parser
 from lowbit.tui.app import Bubble, ChatApp
 from lowbit.tui.client import ChatClient, Settings
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_chat_in_process_with_the_default_model(default_gguf, tmp_path):
     args = build_parser().parse_args(["chat", str(default_gguf), "--kv-memory", "64MiB"])
     failure: list = []
-    base_url, server = start_local_server(args, failure)
+    base_url, handle = start_local_server(args, failure)
     app = ChatApp(ChatClient(base_url), ChatStore(tmp_path / "chats.db"), Settings(temperature=0, max_tokens=24),
                   startup_error=lambda: str(failure[0]) if failure else None)
 
@@ -44,4 +44,4 @@ def test_chat_in_process_with_the_default_model(default_gguf, tmp_path):
     try:
         asyncio.run(go())
     finally:
-        server.should_exit = True
+        stop_local_server(handle)

@@ -145,6 +145,25 @@ def test_multiline_prompt_and_esc_stops_mid_stream(tmp_path):
     asyncio.run(go())
 
 
+def test_esc_before_the_first_token_keeps_no_empty_reply(tmp_path):
+    fake = FakeOpenAI([["late"]])
+    app = make_app(tmp_path, fake)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.settings.model is not None)
+            fake.hold_after = 0
+            await send(pilot, "q")
+            await until(pilot, lambda: fake.reached_hold.is_set())
+            await pilot.press("escape")
+            await until(pilot, lambda: not app.generating)
+            await pilot.pause(0.05)
+            assert [m.role for m in app.messages] == ["user"] and len(app.query(Bubble)) == 1
+            assert any("before the reply began" in n.message for n in app._notifications)
+
+    asyncio.run(go())
+
+
 def test_regenerate_replaces_the_last_reply(tmp_path):
     fake = FakeOpenAI([["first"], ["second"]])
     app = make_app(tmp_path, fake)

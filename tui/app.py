@@ -204,8 +204,10 @@ class ChatApp(App):
                 await bubble.update(reply.content + "\n\n*(stopped)*")
             if reply.content:
                 self.messages.append(reply)
-            elif not reply.stopped:
+            else:  # nothing arrived (an error, or Esc before the first token): no empty reply kept
                 await bubble.remove()
+                if reply.stopped:
+                    self.notify("Stopped before the reply began.")
             self.save()
             self.show_status()
 
