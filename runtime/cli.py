@@ -1,4 +1,4 @@
-"""The `lowbit` command: run, chat, serve, bench, pull, models, info.
+"""The `lowbit` command: run, chat, serve, bench, eval, pull, models, info.
 
 Every user-facing failure is a LowbitError (or a bad flag value) and ends as one line on stderr
 with exit status 1 — never a traceback (set LOWBIT_DEBUG=1 to see one).
@@ -14,6 +14,7 @@ from types import MappingProxyType
 from lowbit.runtime.bench_cli import add_bench_parser, cmd_bench
 from lowbit.runtime.chat_cli import add_chat_parser, cmd_chat
 from lowbit.runtime.errors import LowbitError
+from lowbit.runtime.eval_cli import add_eval_parser, cmd_eval
 from lowbit.runtime.registry import DEFAULT_MODEL
 
 WEIGHTS_HELP = ("weight layout: auto (GGUF: keep Q4_0/Q4_1/Q8_0 losslessly, requantize K-quants; "
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_chat_parser(sub, _add_model_args, _add_engine_args)
+    add_eval_parser(sub)
 
     pull = sub.add_parser("pull", help="download a model into the model cache",
                           description="Fetch a model by alias and verify its sha256. The cache is "
@@ -316,7 +318,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-COMMANDS = MappingProxyType({"run": cmd_run, "serve": cmd_serve, "chat": cmd_chat, "bench": cmd_bench, "pull": cmd_pull,
+COMMANDS = MappingProxyType({"run": cmd_run, "serve": cmd_serve, "chat": cmd_chat, "bench": cmd_bench, "eval": cmd_eval, "pull": cmd_pull,
                              "models": cmd_models, "info": cmd_info})
 
 

@@ -1,0 +1,165 @@
+"""`lowbit eval`: what each weight and KV format costs in quality and saves in memory, measured as
+llama.cpp's `llama-perplexity --kl-divergence` measures it.
+
+The text is cut into windows of `ctx` tokens; each window runs through the model in chunks written
+to a paged KV pool of the format under test (so attention reads the quantized cache, its own chunk
+included), and the second half of each window is scored: negative log-likelihood of the next
+token (perplexity), KL divergence of the variant's next-token distribution from the reference's,
+and whether both rank the same token first. The reference is the unquantized model (the source
+weights dequantized to fp32) with an f16 cache. Reference log-probabilities are computed per window
+and dropped once every variant has been compared with them: nothing vocabulary-sized is stored.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lowbit.models.attention import PagedBatch
+from lowbit.quant.kv import KV_FORMATS
+from lowbit.runtime.kv_cache import KVPool
+
+CHUNK, PAGE = 64, 16  # tokens per forward chunk (llama-perplexity's n_batch is larger; the cache sees the same)
+
+
+@dataclass
+class Variant:
+    name: str  # weights layout name
+    kv: str  # KV format
+    model: object  # models.llama.Llama
+    weight_bytes: int  # bytes held by its weight tensors
+
+
+@dataclass
+class Row:
+    weights: str
+    kv: str
+    weight_bytes: int
+    bits_per_weight: float
+    kv_bytes_per_token: int
+    ppl: float
+    ppl_stderr: float
+    dppl_pct: float
+    kl_mean: float
+    kl_p99: float
+    kl_max: float
+    top1_pct: float
+    tokens: int
+    decode_tps: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def window_logprobs(model, ids: list[int], kv: str) -> torch.Tensor:
+    """log-softmax fp32 [T, V] of every position of one window, through a paged pool of format `kv`
+    (pages handed out in reverse order, so nothing depends on them being contiguous)."""
+    c = model.config
+    T = len(ids)
+    n_pages = -(-T // PAGE)
+    pool = KVPool(KV_FORMATS[kv], c.n_layers, c.n_kv_heads, c.head_dim, num_pages=n_pages, page_size=PAGE,
+                  device=model.device)
+    pages = torch.arange(n_pages, device=model.device).flip(0)
+    out = []
+    for s in range(0, T, CHUNK):
+        n = min(CHUNK, T - s)
+        pos = torch.arange(s, s + n, device=model.device)
+        batch = PagedBatch(pos, pages[pos // PAGE] * PAGE + pos % PAGE, [n], [s + n], [pages],
+                           torch.arange(n, device=model.device))
+        out.append(model.forward_paged(torch.tensor(ids[s:s + n], device=model.device), batch, pool, exact=True))
+    return torch.cat(out).float().log_softmax(-1).cpu()  # [T, V]
+
+
+class Scores:
+    """Running per-token statistics of one variant against the reference."""
+
+    def __init__(self):
+        self.nll: list[torch.Tensor] = []
+        self.kl: list[torch.Tensor] = []
+        self.same_top1 = 0
+
+    def add(self, ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> None:
+        """ref, got: log-probs [n, V] predicting targets [n]."""
+        self.nll.append(-got.gather(1, targets[:, None])[:, 0].double())
+        self.kl.append((ref.exp() * (ref - got)).sum(-1).clamp_min(0).double())
+        self.same_top1 += int((ref.argmax(-1) == got.argmax(-1)).sum())
+
+    def summary(self) -> dict:
+        nll, kl = torch.cat(self.nll), torch.cat(self.kl)
+        n = nll.numel()
+        mean = float(nll.mean())
+        ppl = math.exp(mean)
+        # llama-perplexity's uncertainty: the standard error of the mean NLL, carried through exp
+        stderr = ppl * float(nll.std(unbiased=True)) / math.sqrt(n) if n > 1 else 0.0
+        return {"ppl": ppl, "ppl_stderr": stderr, "kl_mean": float(kl.mean()), "kl_p99": float(kl.quantile(0.99)),
+                "kl_max": float(kl.max()), "top1_pct": 100.0 * self.same_top1 / n, "tokens": n}
+
+
+def windows(ids: list[int], ctx: int, max_windows: int | None) -> list[list[int]]:
+    """Consecutive non-overlapping windows of ctx tokens (the tail shorter than ctx is dropped)."""
+    out = [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]
+    return out[:max_windows] if max_windows else out
+
+
+def evaluate(reference, variants: list[Variant], ids: list[int], ctx: int = 512, max_windows: int | None = None,
+             progress=None) -> tuple[dict, list[Row]]:
+    """reference: the fp32 model (f16 cache). → (reference summary, one Row per variant, in order),
+    the first being the reference against itself (the noise floor: KL 0, ΔPPL 0)."""
+    wins = windows(ids, ctx, max_windows)
+    if not wins:
+        raise ValueError(f"the text has {len(ids)} tokens: fewer than one window of {ctx}")
+    c = reference.config
+    ref_scores = Scores()
+    scores = [Scores() for _ in variants]
+    half = ctx // 2
+    for w in wins:
+        targets = torch.tensor(w[half:], dtype=torch.long)  # position t predicts token t + 1
+        ref = window_logprobs(reference, w, "f16")[half - 1:-1]  # [ctx - half, V]
+        ref_scores.add(ref, ref, targets)
+        for v, sc in zip(variants, scores):
+            got = ref if v.model is reference and v.kv == "f16" else window_logprobs(v.model, w, v.kv)[half - 1:-1]
+            sc.add(ref, got, targets)
+        if progress is not None:
+            progress.update(1)
+    base = ref_scores.summary()
+    ref_elems = sum(b.numel() for b in reference.buffers())  # weights as fp32: one element each
+    rows = []
+    for v, sc in zip(variants, scores):
+        s = sc.summary()
+        rows.append(Row(v.name, v.kv, v.weight_bytes, 8 * v.weight_bytes / ref_elems,
+                        KV_FORMATS[v.kv].bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim), s["ppl"],
+                        s["ppl_stderr"], 100 * (s["ppl"] / base["ppl"] - 1), s["kl_mean"], s["kl_p99"], s["kl_max"],
+                        s["top1_pct"], s["tokens"]))
+    return base, rows
+
+
+def decode_tps(model, tokenizer, kv: str, n: int = 32) -> float:
+    """Single-stream decode tok/s through the engine (greedy, fast kernels), after a short prompt."""
+    from lowbit.runtime.engine import Engine
+    from lowbit.runtime.sampler import SamplingParams
+
+    engine = Engine(model, tokenizer, kv_format=kv, kv_memory=16 << 20)
+    engine.add_request(list(range(1, 17)), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    engine.step()  # the prompt
+    t0, made = time.perf_counter(), 0
+    while engine.has_work():
+        made += sum(len(d.token_ids) for d in engine.step())
+    return made / (time.perf_counter() - t0)
+
+
+def markdown_table(base: dict, rows: list[Row]) -> str:
+    head = ("| weights | KV | weight MB | bits/weight | KV B/token | PPL | ΔPPL % | mean KL | p99 KL | max KL | "
+            "same top-1 % | decode tok/s |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in sorted(rows, key=lambda r: r.kl_mean):
+        tps = "-" if r.decode_tps is None else f"{r.decode_tps:.1f}"
+        lines.append(f"| {r.weights} | {r.kv} | {r.weight_bytes / 1e6:.1f} | {r.bits_per_weight:.2f} | "
+                     f"{r.kv_bytes_per_token:,} | {r.ppl:.3f} ± {r.ppl_stderr:.3f} | {r.dppl_pct:+.2f} | "
+                     f"{r.kl_mean:.5f} | {r.kl_p99:.4f} | {r.kl_max:.3f} | {r.top1_pct:.2f} | {tps} |")
+    lines.append(f"\nReference (fp32 weights, f16 KV): PPL {base['ppl']:.3f} ± {base['ppl_stderr']:.3f} over "
+                 f"{base['tokens']} scored tokens.")
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""`lowbit eval` on the command line: flags, loading the reference and each weight layout, the table
+and the JSON file. The measuring is runtime/eval.py's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from lowbit.runtime.errors import LowbitError
+
+
+def add_eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="measure what weight and KV formats cost in quality and save in memory",
+                        description="Run the model over a text in windows of --ctx tokens, scoring the second half "
+                                    "of each (as llama-perplexity --kl-divergence does), for every pair of "
+                                    "--weights and --kv formats, against the unquantized model (source weights "
+                                    "dequantized to fp32, f16 KV): perplexity, ΔPPL, KL divergence (mean, p99, max), "
+                                    "same top-1, weight bytes held, bits per weight, KV bytes per token, decode tok/s.")
+    ev.add_argument("--model", "-m", default=None, help="alias, .gguf path or HF directory (default: the default model)")
+    ev.add_argument("--weights", default="auto,int8,int4-g128",
+                    help="comma list of weight layouts (default auto,int8,int4-g128; `lowbit run --help` lists them)")
+    ev.add_argument("--kv", default="f16,k8v4", help="comma list of KV formats: f16, k8v8, k8v4, k4v4 (default f16,k8v4)")
+    ev.add_argument("--text", default=None, help="text file (default: the WikiText-2 excerpt shipped with lowbit)")
+    ev.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
+    ev.add_argument("--chunks", type=int, default=None, help="most windows to score (default: all the text holds)")
+    ev.add_argument("--no-speed", action="store_true", help="skip the decode tok/s measurement")
+    ev.add_argument("--out", "-o", default=None, help="JSON result file")
+
+
+def cmd_eval(args) -> int:
+    from lowbit.quant.kv import KV_FORMATS
+    from lowbit.runtime.bench import DEFAULT_TEXT
+    from lowbit.runtime.eval import Variant, decode_tps, evaluate, markdown_table
+    from lowbit.runtime.loader import load
+
+    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    kvs = [k.strip() for k in args.kv.split(",") if k.strip()]
+    bad = [k for k in kvs if k not in KV_FORMATS]
+    if bad or not kvs or not weights:
+        raise LowbitError(f"--kv takes a comma list of {', '.join(KV_FORMATS)}; --weights a non-empty list")
+    if args.ctx < 4 or args.ctx % 2:
+        raise LowbitError("--ctx must be an even number >= 4")
+    text_path = Path(args.text) if args.text else DEFAULT_TEXT
+    if not text_path.is_file():
+        raise LowbitError(f"--text: no such file: {text_path}")
+    reference = load(args.model, "f32", progress=False)
+    ids = reference.tokenizer.encode(text_path.read_text(encoding="utf-8", errors="replace"), add_special=False)
+    variants, loaded = [Variant("fp32 (reference)", "f16", reference.model, reference.weight_bytes)], {}
+    for w in weights:
+        try:
+            lm = loaded.get(w) or load(args.model, w, progress=False)
+        except ValueError as e:
+            raise LowbitError(str(e)) from None
+        loaded[w] = lm
+        variants += [Variant(w, kv, lm.model, lm.weight_bytes) for kv in kvs]
+    n_windows = min(len(ids) // args.ctx, args.chunks or len(ids))
+    progress = None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        progress = tqdm(total=n_windows, desc="windows", unit="win", file=sys.stderr, leave=False)
+    try:
+        base, rows = evaluate(reference.model, variants, ids, args.ctx, args.chunks, progress)
+    except ValueError as e:
+        raise LowbitError(str(e)) from None
+    finally:
+        if progress is not None:
+            progress.close()
+    if not args.no_speed:
+        for v, r in zip(variants, rows):
+            r.decode_tps = decode_tps(v.model, reference.tokenizer, v.kv)
+    print(markdown_table(base, rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"model": str(reference.path), "text": str(text_path), "ctx": args.ctx,
+                                              "windows": base["tokens"] // (args.ctx // 2), "reference": base,
+                                              "rows": [r.as_dict() for r in rows]}, indent=1))
+        print(f"results: {args.out}", file=sys.stderr)
+    return 0
