@@ -29,8 +29,13 @@ CHUNK, PAGE = 64, 16  # tokens per forward chunk (llama-perplexity's n_batch is 
 class Variant:
     name: str  # weights layout name
     kv: str  # KV format
-    model: object  # models.llama.Llama
+    model: object  # models.llama.Llama (None for a peer)
     weight_bytes: int  # bytes held by its weight tensors
+    logprobs: object = None  # (window ids) -> log-probs [T, V]; default: lowbit's model through a `kv` pool
+    kv_bytes_per_token: int | None = None  # default: the lowbit KV format's
+
+    def window(self, ids: list[int]) -> torch.Tensor:
+        return self.logprobs(ids) if self.logprobs is not None else window_logprobs(self.model, ids, self.kv)
 
 
 @dataclass
@@ -121,7 +126,7 @@ def evaluate(reference, variants: list[Variant], ids: list[int], ctx: int = 512,
         ref = window_logprobs(reference, w, "f16")[half - 1:-1]  # [ctx - half, V]
         ref_scores.add(ref, ref, targets)
         for v, sc in zip(variants, scores):
-            got = ref if v.model is reference and v.kv == "f16" else window_logprobs(v.model, w, v.kv)[half - 1:-1]
+            got = ref if v.model is reference and v.kv == "f16" else v.window(w)[half - 1:-1]
             sc.add(ref, got, targets)
         if progress is not None:
             progress.update(1)
@@ -130,11 +135,38 @@ def evaluate(reference, variants: list[Variant], ids: list[int], ctx: int = 512,
     rows = []
     for v, sc in zip(variants, scores):
         s = sc.summary()
-        rows.append(Row(v.name, v.kv, v.weight_bytes, 8 * v.weight_bytes / ref_elems,
-                        KV_FORMATS[v.kv].bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim), s["ppl"],
+        kv_bytes = v.kv_bytes_per_token or KV_FORMATS[v.kv].bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim)
+        rows.append(Row(v.name, v.kv, v.weight_bytes, 8 * v.weight_bytes / ref_elems, kv_bytes, s["ppl"],
                         s["ppl_stderr"], 100 * (s["ppl"] / base["ppl"] - 1), s["kl_mean"], s["kl_p99"], s["kl_max"],
                         s["top1_pct"], s["tokens"]))
     return base, rows
+
+
+# llama.cpp's cache types: bytes per value (q8_0: 32 values in 34 bytes, q4_0: 32 in 18)
+LLAMA_CPP_KV = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}  # name → (GGML type, bytes/value)
+
+
+def llama_cpp_variants(gguf: str, kv_pairs: list[tuple[str, str]], config, ctx: int, threads: int | None = None):
+    """The peer: llama-cpp-python on the same GGUF, one Variant per (type_k, type_v) pair, windows fed
+    as the same token ids (all positions' logits kept: logits_all). A quantized V cache needs flash
+    attention in llama.cpp, so every row uses it."""
+    import llama_cpp
+    import numpy as np
+
+    out = []
+    per_val = config.n_layers * config.n_kv_heads * config.head_dim
+    for k, v in kv_pairs:
+        llm = llama_cpp.Llama(gguf, n_ctx=ctx, n_batch=ctx, logits_all=True, flash_attn=True, verbose=False,
+                              type_k=LLAMA_CPP_KV[k][0], type_v=LLAMA_CPP_KV[v][0], n_threads=threads)
+
+        def run(ids: list[int], llm=llm) -> torch.Tensor:
+            llm.reset()
+            llm.eval(ids)
+            return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32)).log_softmax(-1)  # [T, V]
+
+        out.append(Variant("llama.cpp (GGUF)", f"{k}/{v}", None, int(llama_cpp.llama_model_size(llm.model)), run,
+                           round(per_val * (LLAMA_CPP_KV[k][1] + LLAMA_CPP_KV[v][1]))))
+    return out
 
 
 def decode_tps(model, tokenizer, kv: str, n: int = 32) -> float:

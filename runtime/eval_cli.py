@@ -24,6 +24,10 @@ def add_eval_parser(sub) -> None:
     ev.add_argument("--text", default=None, help="text file (default: the WikiText-2 excerpt shipped with lowbit)")
     ev.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
     ev.add_argument("--chunks", type=int, default=None, help="most windows to score (default: all the text holds)")
+    ev.add_argument("--peer", choices=("llama.cpp",), default=None,
+                    help="add rows from llama-cpp-python on the same GGUF with its cache types --peer-kv")
+    ev.add_argument("--peer-kv", default="f16/f16,q8_0/q8_0,q8_0/q4_0",
+                    help="llama.cpp type_k/type_v pairs among f16, q8_0, q4_0 (default f16/f16,q8_0/q8_0,q8_0/q4_0)")
     ev.add_argument("--no-speed", action="store_true", help="skip the decode tok/s measurement")
     ev.add_argument("--out", "-o", default=None, help="JSON result file")
 
@@ -54,6 +58,18 @@ def cmd_eval(args) -> int:
             raise LowbitError(str(e)) from None
         loaded[w] = lm
         variants += [Variant(w, kv, lm.model, lm.weight_bytes) for kv in kvs]
+    if args.peer == "llama.cpp":
+        from lowbit.runtime.eval import LLAMA_CPP_KV, llama_cpp_variants
+
+        if reference.source != "gguf":
+            raise LowbitError("--peer llama.cpp needs a GGUF model")
+        pairs = [tuple(p.split("/")) for p in args.peer_kv.split(",") if p.strip()]
+        if any(len(p) != 2 or not set(p) <= set(LLAMA_CPP_KV) for p in pairs):
+            raise LowbitError(f"--peer-kv takes pairs like q8_0/q4_0 of {', '.join(LLAMA_CPP_KV)}")
+        try:
+            variants += llama_cpp_variants(str(reference.path), pairs, reference.config, args.ctx)
+        except ImportError:
+            raise LowbitError("--peer llama.cpp needs llama-cpp-python (pip install llama-cpp-python)") from None
     n_windows = min(len(ids) // args.ctx, args.chunks or len(ids))
     progress = None
     if sys.stderr.isatty():
@@ -69,7 +85,8 @@ def cmd_eval(args) -> int:
             progress.close()
     if not args.no_speed:
         for v, r in zip(variants, rows):
-            r.decode_tps = decode_tps(v.model, reference.tokenizer, v.kv)
+            if v.model is not None:  # peers' speed: tests/bench/decode_prefill.py measures it side by side
+                r.decode_tps = decode_tps(v.model, reference.tokenizer, v.kv)
     print(markdown_table(base, rows))
     if args.out:
         Path(args.out).write_text(json.dumps({"model": str(reference.path), "text": str(text_path), "ctx": args.ctx,
