@@ -429,6 +429,9 @@ def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
     cfg = config or choose_config(M, w, x.device, x.dtype, out_dtype)
     if cfg.form not in FORMS:
         raise ValueError(f"wq_mm: unknown form {cfg.form!r}, expected one of {FORMS}")
+    if cfg.form.startswith("nib") and (w.bits != 4 or cfg.block_k % 128):
+        raise ValueError(f"wq_mm: the {cfg.form} form needs int4 weights and BLOCK_K a multiple of 128 "
+                         f"(8 dots of K >= 16), got {w.bits}-bit, BLOCK_K={cfg.block_k}")
     if not w.per_channel and w.group_size % cfg.block_k:
         raise ValueError(f"wq_mm: BLOCK_K={cfg.block_k} must divide the group size {w.group_size}")
     y = torch.empty((M, N), device=x.device, dtype=out_dtype)

@@ -79,6 +79,14 @@ def window_logprobs(model, ids: list[int], kv: str) -> torch.Tensor:
     return torch.cat(out).float().log_softmax(-1).cpu()  # [T, V]
 
 
+class Reference:
+    """One window's reference log-probs [n, V], with what every variant's comparison reuses: the
+    probabilities and the top-1 ids (computed once per window, not once per variant)."""
+
+    def __init__(self, lp: torch.Tensor):
+        self.lp, self.p, self.top1 = lp, lp.exp(), lp.argmax(-1)
+
+
 class Scores:
     """Running per-token statistics of one variant against the reference."""
 
@@ -87,11 +95,11 @@ class Scores:
         self.kl: list[torch.Tensor] = []
         self.same_top1 = 0
 
-    def add(self, ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> None:
-        """ref, got: log-probs [n, V] predicting targets [n]."""
+    def add(self, ref: Reference, got: torch.Tensor, targets: torch.Tensor) -> None:
+        """got: log-probs [n, V] predicting targets [n]."""
         self.nll.append(-got.gather(1, targets[:, None])[:, 0].double())
-        self.kl.append((ref.exp() * (ref - got)).sum(-1).clamp_min(0).double())
-        self.same_top1 += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        self.kl.append((ref.p * (ref.lp - got)).sum(-1).clamp_min(0).double())
+        self.same_top1 += int((ref.top1 == got.argmax(-1)).sum())
 
     def summary(self) -> dict:
         nll, kl = torch.cat(self.nll), torch.cat(self.kl)
@@ -123,10 +131,10 @@ def evaluate(reference, variants: list[Variant], ids: list[int], ctx: int = 512,
     half = ctx // 2
     for w in wins:
         targets = torch.tensor(w[half:], dtype=torch.long)  # position t predicts token t + 1
-        ref = window_logprobs(reference, w, "f16")[half - 1:-1]  # [ctx - half, V]
-        ref_scores.add(ref, ref, targets)
+        ref = Reference(window_logprobs(reference, w, "f16")[half - 1:-1])  # [ctx - half, V]
+        ref_scores.add(ref, ref.lp, targets)
         for v, sc in zip(variants, scores):
-            got = ref if v.model is reference and v.kv == "f16" else v.window(w)[half - 1:-1]
+            got = ref.lp if v.model is reference and v.kv == "f16" else v.window(w)[half - 1:-1]
             sc.add(ref, got, targets)
         if progress is not None:
             progress.update(1)

@@ -84,16 +84,17 @@ class Responder:
         texts: list[list[str]] = [[] for _ in range(n)]
         chat_lps: list[list] = [[] for _ in range(n)]
         comp_lps: list[dict | None] = [None] * n
-        finish, usages = ["stop"] * n, [None] * n
+        finish, usages, offsets = ["stop"] * n, [None] * n, [0] * n
         now = int(time.time())
         async for i, d in events:
             if req.logprobs:
                 if req.chat:
                     chat_lps[i] += self.chat_logprobs(d)
                 else:
-                    part = self.completion_logprobs(d, sum(map(len, texts[i])))
+                    part = self.completion_logprobs(d, offsets[i])
                     comp_lps[i] = part if comp_lps[i] is None else {k: comp_lps[i][k] + part[k] for k in part}
             texts[i].append(d.text)
+            offsets[i] += len(d.text)
             if d.finish_reason is not None:
                 finish[i], usages[i] = self.finish_of(d), d.usage
         choices = []

@@ -112,12 +112,14 @@ def test_split_k_and_tile_edges(layout, device):
 def test_every_form(layout, form, device):
     """Every kernel form on the same problem, fp16 and fp32 (IEEE), split-K over 3 slices and a tile
     grid of 2 row tiles; K = 300 ends inside a K tile. The nibble form needs K tiles of 128 (8 dots
-    of K = 16)."""
-    if form.startswith("nib") and layout == "int4-g32" or form.startswith("nib") and layout == "int8":
-        pytest.skip("nibble forms: int4 with 128-wide K tiles only")
+    of K = 16): for other layouts it is a clear error."""
     dev = _device(device)
     _, p = _packed(layout, 72, 300)
     bk = 128 if layout != "int4-g32" else 32
+    if form.startswith("nib") and layout in ("int4-g32", "int8"):
+        with pytest.raises(ValueError, match="needs int4 weights and BLOCK_K a multiple of 128"):
+            wq_mm(torch.randn(1, 300).to(dev), p.to(dev), LaunchConfig(16, 32, bk, 1, 1, 4, 2, form))
+        return
     for dtype in (torch.float16, torch.float32):
         for M, cfg in [(1, LaunchConfig(16, 32, bk, 3, 1, 4, 2, form)),
                        (20, LaunchConfig(16, 64, bk, 1, 2, 4, 2, form))]:
@@ -207,12 +209,12 @@ def test_launch_shrinks_a_config_triton_refuses(monkeypatch):
         real(x, w, y, cfg)
 
     monkeypatch.setattr(wq_mm_module, "_launch", launch)
-    if not interpreting():
-        pytest.skip("the kernel runs on CPU only under TRITON_INTERPRET=1")
-    _check(wq_mm(x, p), wq_mm_ref(x, p), torch.float32)
+    dev = "cpu" if interpreting() else "cuda"  # without the interpreter, the compiled kernel on the GPU
+    p = p.to(dev)
+    _check(wq_mm(x.to(dev), p), wq_mm_ref(x, p.to("cpu")), torch.float32)
     assert tried[-1].num_stages == 1 and len(tried) > 1
     with pytest.raises(OutOfResources):
-        wq_mm(x, p, LaunchConfig(16, 64, 64, 1, 1, 4, 2))
+        wq_mm(x.to(dev), p, LaunchConfig(16, 64, 64, 1, 1, 4, 2))
 
 
 def test_bad_inputs_are_clear_errors():
