@@ -6,7 +6,8 @@ is also registered as a buffer so `model.buffers()` is the honest count of bytes
 
 Two sets of kernels (`LinearKernels`): torch's CPU kernels (kernels/int4_mm.py, int8_mm.py) and
 the Triton kernel for CUDA (kernels/wq_mm.py). The model picks one set per model
-(models/backend.py); layers never test the device themselves.
+(models/backend.py); layers never test the device themselves. bitsandbytes' layouts (quant/bnb.py)
+are kept as bitsandbytes holds them and multiplied by bitsandbytes, on CPU only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack
 from lowbit.kernels.int8_mm import Int8Packed, int8_mm, int8_pack
 from lowbit.kernels.wq_mm import wq_mm, wq_pack_int4, wq_pack_int8, wq_rows
-from lowbit.quant import FloatWeight, Int4Weight, Int8Weight, Weight
+from lowbit.quant import BnbWeight, FloatWeight, Int4Weight, Int8Weight, Weight
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,9 @@ def _cpu_pack(weight: Weight):
 
 
 def _cpu_matmul(x: torch.Tensor, w, exact: bool | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    if isinstance(w, FloatWeight):
+    if isinstance(w, BnbWeight):  # bitsandbytes' arithmetic is the format: no separate exact path
+        y = w.matmul(x)
+    elif isinstance(w, FloatWeight):
         y = _float_linear(x, w, exact)
     elif isinstance(w, Int8Packed):
         y = int8_mm(x, w, exact)
@@ -88,6 +91,8 @@ def triton_kernels(device: torch.device) -> LinearKernels:
     """The Triton weight-only kernel for every int4/int8 layout; float weights through torch."""
 
     def pack(weight: Weight):
+        if isinstance(weight, BnbWeight):
+            raise ValueError(f"{weight.spec.name} runs on CPU only (bitsandbytes' own matmul); use --device cpu")
         if isinstance(weight, Int4Weight):
             w = wq_pack_int4(weight.codes(), weight.scales, weight.mins, weight.spec.group_size, weight.in_features)
         elif isinstance(weight, Int8Weight):
@@ -118,6 +123,8 @@ def fuse_rows(weights: list[Weight]) -> Weight | None:
     """Concatenate layouts along N (QKV, gate+up) so one kernel call serves them; None if their
     layouts differ (mixed-type GGUF files), in which case the caller keeps them separate."""
     first = weights[0]
+    if isinstance(first, BnbWeight):  # bitsandbytes multiplies each matrix on its own, as transformers does
+        return None
     if any(type(w) is not type(first) or w.spec != first.spec or w.in_features != first.in_features for w in weights):
         return None
     if isinstance(first, Int4Weight):

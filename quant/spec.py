@@ -6,6 +6,8 @@ A spec is explicit data, never guessed from a file name. Names:
     int4-sym-g32 / -g64 / -g128         4-bit, symmetric (w = scale * (u - 8)), like GGUF Q4_0
     int8                                8-bit symmetric, one scale per output channel
     int8-g32 / -g64 / -g128             8-bit symmetric, one scale per group, like GGUF Q8_0
+    bnb-nf4 / bnb-int8                  bitsandbytes' NF4 and LLM.int8(), run by bitsandbytes on CPU
+                                        (the comparison rows of `lowbit eval`, see quant/bnb.py)
     bf16 / f16 / f32                    unquantized (reference runs)
     auto                                GGUF: keep every tensor in the layout that holds it losslessly,
                                         requantize the rest (see quant/ggml.py); safetensors: int4-g32
@@ -29,6 +31,7 @@ class WeightSpec:
     group_size: int = 0  # quantized values sharing one scale along K; 0 = whole row (per channel)
     symmetric: bool = True
     float_dtype: str = ""  # torch dtype name for unquantized layouts
+    codec: str = ""  # "" = lowbit's own integer codes; "nf4" / "llm.int8" = bitsandbytes' (quant/bnb.py)
 
     @property
     def quantized(self) -> bool:
@@ -36,6 +39,8 @@ class WeightSpec:
 
     @property
     def name(self) -> str:
+        if self.codec:
+            return {"nf4": "bnb-nf4", "llm.int8": "bnb-int8"}[self.codec]
         if not self.quantized:
             return {v: k for k, v in FLOAT_NAMES.items()}[self.float_dtype]
         if self.bits == 8:
@@ -52,12 +57,17 @@ WEIGHT_NAMES = (
     + ["int8"]
     + [f"int8-g{g}" for g in GROUP_SIZES]
     + list(FLOAT_NAMES)
+    + ["bnb-nf4", "bnb-int8"]
 )
+BNB = MappingProxyType({"bnb-nf4": WeightSpec(bits=4, group_size=64, codec="nf4"),
+                        "bnb-int8": WeightSpec(bits=8, group_size=0, codec="llm.int8")})
 
 
 def parse_weights(name: str) -> WeightSpec:
     """`int4-g32` → WeightSpec(4, 32, symmetric=False). Raises ValueError listing valid names."""
     s = name.strip().lower()
+    if s in BNB:
+        return BNB[s]
     if s in FLOAT_NAMES:
         return WeightSpec(bits=16 if s != "f32" else 32, float_dtype=FLOAT_NAMES[s])
     m = re.fullmatch(r"int4-(sym-)?g(\d+)", s)

@@ -75,6 +75,8 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         update, close = _progress_bar(n_layers, f"loading {path.name}", progress)
         try:
             config, w, _ = load_hf_dir(path, spec, update)
+        except ValueError as e:  # a layout that cannot hold this model (e.g. bnb-nf4 on odd widths)
+            raise LowbitError(f"{path}: {e}") from None
         finally:
             close()
         source, used = "safetensors", spec.name
@@ -88,6 +90,8 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         update, close = _progress_bar(int(meta.get(f"{arch}.block_count", 0) or 0), f"loading {path.name}", progress)
         try:
             config, w, _ = load_gguf(gguf, spec, update)
+        except ValueError as e:
+            raise LowbitError(f"{path}: {e}") from None
         finally:
             close()
         try:
@@ -98,7 +102,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
     try:
         with torch.no_grad():
             model = Llama(config, w, backend).eval()
-    except RuntimeError as e:  # e.g. a torch build whose int4 packing layout lowbit does not know
+    except (RuntimeError, ValueError) as e:  # e.g. a torch build whose int4 packing lowbit does not know
         raise LowbitError(f"{path}: cannot build the model: {str(e).splitlines()[0]}") from None
     del w
     return LoadedModel(model, tokenizer, config, path, source, used, time.perf_counter() - t0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from lowbit.models.config import LlamaConfig
@@ -68,3 +69,16 @@ def test_bytes_match_their_formulas():
     for r in rows:
         pool = KVPool(KV_FORMATS[r.kv], CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_pages=4, page_size=16)
         assert r.kv_bytes_per_token == pool.nbytes / 64, r.kv
+
+
+def test_bitsandbytes_rows():
+    """bnb-* rows come out of the same measurement: LLM.int8() (8-bit weights, int8 activations)
+    diverges less than NF4 (4-bit weights), and both more than nothing."""
+    pytest.importorskip("bitsandbytes")
+    ids = torch.randint(0, 101, (2 * CTX,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = model("f32")
+    variants = [Variant(w, "f16", m, nbytes(m)) for w, m in (("bnb-int8", model("bnb-int8")),
+                                                              ("bnb-nf4", model("bnb-nf4")))]
+    _, (int8, nf4) = evaluate(ref, variants, ids, ctx=CTX)
+    assert 0 < int8.kl_mean < nf4.kl_mean
+    assert nf4.bits_per_weight < int8.bits_per_weight < 32
