@@ -102,7 +102,10 @@ def cmd_eval(args) -> int:
         if any(len(p) != 2 or not set(p) <= set(LLAMA_CPP_KV) for p in pairs):
             raise LowbitError(f"--peer-kv takes pairs like q8_0/q4_0 of {', '.join(LLAMA_CPP_KV)}")
         try:
-            variants += llama_cpp_variants(str(reference.path), pairs, reference.config, args.ctx)
+            import torch
+
+            variants += llama_cpp_variants(str(reference.path), pairs, reference.config, args.ctx,
+                                           threads=torch.get_num_threads())  # lowbit's threads, not its cpu_count/2
         except ImportError:
             raise LowbitError("--peer llama.cpp needs llama-cpp-python (pip install llama-cpp-python)") from None
     n_windows = min(len(ids) // args.ctx, args.chunks or len(ids))
