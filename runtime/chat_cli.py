@@ -49,7 +49,7 @@ def start_local_server(args, failure: list) -> tuple[str, tuple]:
     its thread)): `stop_local_server` ends it."""
     import uvicorn
 
-    from lowbit.runtime.cli import check_engine_args, load_served, parse_size
+    from lowbit.runtime.engine_args import check_engine_args, load_served, parse_size
     from lowbit.runtime.server import build_app
 
     check_engine_args(args)

@@ -13,13 +13,19 @@ from types import MappingProxyType
 
 from lowbit.runtime.bench_cli import add_bench_parser, cmd_bench
 from lowbit.runtime.chat_cli import add_chat_parser, cmd_chat
+from lowbit.runtime.engine_args import check_engine_args, load_served, parse_size
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.eval_cli import add_eval_parser, cmd_eval
 from lowbit.runtime.registry import DEFAULT_MODEL
+from lowbit.runtime.run_cli import cmd_run
 
 WEIGHTS_HELP = ("weight layout: auto (GGUF: keep Q4_0/Q4_1/Q8_0 losslessly, requantize K-quants; "
                 "safetensors: int4-g32), int4-g32, int4-g64, int4-g128, int4-sym-g32/64/128, int8, "
-                "int8-g32/64/128, bf16, f16, f32")
+                "int8-g32/64/128, bf16, f16, f32, and on CPU bitsandbytes' bnb-nf4, bnb-int8")
+SPECULATIVE_HELP = ("speculative decoding: 'ngram,k=4' (prompt lookup: drafts copied from the request's own "
+                    "context, n=3 longest suffix), 'draft=MODEL,k=4' (a small model with the same vocabulary) or "
+                    "'draft=self:int4-g128,k=4' (a low-bit copy of this model's own weights); greedy replies stay "
+                    "exactly the same, sampled ones keep the model's distribution (default: off)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +48,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="most requests decoded together (default 16)")
     p.add_argument("--ctx-size", type=int, default=None,
                    help="most tokens per request, prompt and reply together (default: the model's context)")
+    p.add_argument("--speculative", default=None, metavar="SPEC", help=SPECULATIVE_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kv-memory", default="256MiB",
                      help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, or on CUDA a share "
                           "of the free GPU memory like 90%% (default 256MiB)")
+    run.add_argument("--speculative", default=None, metavar="SPEC",
+                     help=SPECULATIVE_HELP + "; with --temperature 0 the reply goes through the engine, as with "
+                                             "--fast-greedy")
 
     serve = sub.add_parser("serve", help="serve the model on an OpenAI-compatible HTTP port",
                            description="Load the model and serve /v1/chat/completions, /v1/completions and "
@@ -105,131 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--device", default="cpu", help="where to load it: cpu (default), cuda or cuda:N")
     info.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"), help="activation dtype on CUDA")
     return ap
-
-
-def parse_size(text: str) -> int | float:
-    """'1000000', '512MiB', '2GiB', '1.5G' → bytes (K/M/G are taken as binary units); '90%' → 0.9
-    (a share of free GPU memory)."""
-    if text.strip().endswith("%"):
-        try:
-            share = float(text.strip()[:-1]) / 100
-        except ValueError:
-            share = -1.0
-        if not 0 < share < 1:
-            raise LowbitError(f"a memory share must be between 0% and 100%, got {text!r}")
-        return share
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
-    try:
-        value = float(num) * units[unit]
-    except ValueError:
-        raise LowbitError(f"cannot read the size {text!r} (examples: 268435456, 256MiB, 2GiB)") from None
-    if value <= 0:
-        raise LowbitError(f"a size must be positive, got {text!r}")
-    return int(value)
-
-
-def cmd_run(args) -> int:
-    from lowbit.runtime.loader import load
-    from lowbit.runtime.sampler import SamplingParams
-
-    prompt = args.prompt if args.prompt is not None else ("" if sys.stdin.isatty() else sys.stdin.read())
-    if not prompt.strip():
-        raise LowbitError("empty prompt: pass it as an argument or on stdin")
-    if args.max_tokens < 1:
-        raise LowbitError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                max_tokens=args.max_tokens)
-    except ValueError as e:
-        raise LowbitError(str(e)) from None
-    kv_memory = parse_size(args.kv_memory)
-    lm = load(args.model, args.weights, device=args.device, dtype=args.dtype)
-    tok = lm.tokenizer
-    if args.raw:
-        ids = tok.encode(prompt, add_special=True)
-    else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                   [{"role": "user", "content": prompt}]
-        try:
-            ids = tok.encode_chat(messages, add_generation_prompt=True)
-        except ValueError as e:
-            raise LowbitError(str(e)) from None
-
-    def write(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    try:
-        if args.temperature == 0 and not args.fast_greedy:
-            res, kv = _verified_greedy(lm, ids, args.max_tokens, write), "f32 (verified greedy)"
-        else:
-            res, kv = _engine_run(lm, ids, params, args.kv_cache, kv_memory, write), args.kv_cache
-    except ValueError as e:
-        raise LowbitError(str(e)) from None
-    if not res.text.endswith("\n"):
-        write("\n")
-    print(f"[{lm.path.name} {lm.weights} {lm.model.device.type} kv {kv}] prompt {res.prompt_tokens} tokens, "
-          f"TTFT {res.ttft_s * 1000:.0f} ms, "
-          f"{len(res.token_ids)} tokens at {res.decode_tok_s:.1f} tok/s decode, finish: {res.finish_reason}",
-          file=sys.stderr)
-    return 0
-
-
-def _verified_greedy(lm, ids, max_tokens, write):
-    """Greedy with every token checked by the exact model (runtime/generate.py). It still runs on the
-    contiguous fp32 cache: moving verification into the engine is speculative decoding's job."""
-    from lowbit.runtime.generate import generate
-    from lowbit.runtime.sampler import Sampler, SamplingParams
-
-    return generate(lm.model, lm.tokenizer, ids, max_tokens, Sampler(SamplingParams(temperature=0)), on_text=write)
-
-
-def _engine_run(lm, ids, params, kv_format, kv_memory, write):
-    """One request through the paged engine, streamed."""
-    import time
-
-    from lowbit.runtime.engine import Engine
-    from lowbit.runtime.generate import GenerationResult
-
-    engine = Engine(lm.model, lm.tokenizer, kv_format=kv_format, kv_memory=kv_memory)
-    t0 = time.perf_counter()
-    rid = engine.add_request(ids, params)
-    out, pieces, t_first, t_last, finish = [], [], None, None, "length"
-    while engine.has_work():
-        for d in engine.step():
-            now = time.perf_counter()
-            if d.token_ids:
-                t_first = t_first or now
-                t_last = now
-                out += d.token_ids
-            if d.text:
-                pieces.append(d.text)
-                write(d.text)
-            if d.finish_reason is not None and d.request_id == rid:
-                finish = d.finish_reason
-    t_first = t_first or time.perf_counter()
-    return GenerationResult(out, "".join(pieces), len(ids), t_first - t0, (t_last or t_first) - t_first, finish)
-
-
-def check_engine_args(args) -> None:
-    if args.max_num_seqs < 1:
-        raise LowbitError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-
-
-def load_served(args, kv_memory, progress: bool | None = None):
-    """Load the model and build its engine → what the server serves (`lowbit serve`, `lowbit chat`)."""
-    from lowbit.runtime.engine import AsyncEngine, Engine
-    from lowbit.runtime.loader import load
-    from lowbit.runtime.server import Served
-
-    lm = load(args.model_pos or args.model, args.weights, progress=progress, device=args.device, dtype=args.dtype)
-    engine = Engine(lm.model, lm.tokenizer, kv_format=args.kv_cache, kv_memory=kv_memory,
-                    max_num_seqs=args.max_num_seqs, max_model_len=args.ctx_size)
-    name = getattr(args, "served_model_name", None) or lm.path.name
-    return Served(AsyncEngine(engine), lm.tokenizer, name, engine.max_model_len,
-                  {"weights": lm.weights, "kv_cache": args.kv_cache, "device": str(lm.model.device)})
 
 
 def cmd_serve(args) -> int:

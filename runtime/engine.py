@@ -4,6 +4,11 @@ One loop, as DESIGN.md draws it: `batch = scheduler.schedule(); out = runner.run
 scheduler.postprocess(batch, out)`, here `Engine.step()`. Requests join and leave at every step;
 each step's sampled tokens come back as `Delta`s (text, ids, logprobs, finish reason, usage).
 `AsyncEngine` runs steps on a background thread and hands each request an async stream.
+
+With a speculator (runtime/speculative.py) a step first asks it for drafts for every sequence
+ready to decode, runs each such sequence's pending token and drafts as one chunk, verifies the
+drafts against the target's logits at every position of the chunk, and emits the accepted run
+plus the target's own token: one step may then stream several tokens of a request.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from lowbit.quant.linear import ExactRows
 from lowbit.runtime.block_manager import BlockManager
 from lowbit.runtime.detokenizer import StreamDetokenizer
 from lowbit.runtime.kv_cache import KVPool
-from lowbit.runtime.sampler import SamplingParams, SamplingState, mask_padding, sample_batch
+from lowbit.runtime.sampler import SampleResult, SamplingParams, SamplingState, mask_padding, results, sample_batch
 from lowbit.runtime.scheduler import ScheduledSeq, Scheduler, Sequence
+from lowbit.runtime.speculative import DraftProposer, NgramProposer, Proposal, SpecConfig, SpecStats, verify
 from lowbit.runtime.stop import StopMatcher
 
 DEFAULT_KV_MEMORY = 256 << 20  # bytes: 28,137 tokens of the default model in k8v4 (9,540 B/token)
@@ -43,6 +49,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    spec: SpecStats | None = None  # speculative decoding's counts for this request, when it speculated
 
 
 @dataclass
@@ -63,12 +70,18 @@ class _Request:
     stops: StopMatcher
     grammar: object | None = None  # runtime.grammar.Grammar: masks each step's logits (structured output)
     cached: int = 0
+    spec_k: int = 0  # most drafts per step (0: no speculation)
+    spec: SpecStats = field(default_factory=SpecStats)
 
 
 class Engine:
     def __init__(self, model, tokenizer, kv_format: str = DEFAULT_KV_FORMAT, kv_memory: int | float = DEFAULT_KV_MEMORY,
                  page_size: int = 16, max_num_seqs: int = 16, max_step_tokens: int = 512, max_waiting: int = 256,
-                 prefix_caching: bool = True, exact: bool | None = None, max_model_len: int | None = None):
+                 prefix_caching: bool = True, exact: bool | None = None, max_model_len: int | None = None,
+                 speculative: SpecConfig | None = None, draft_model=None):
+        """speculative: proposals for every request (a request may ask for fewer or none); a
+        `draft` config needs `draft_model`, a model sharing the target's vocabulary, whose KV pool
+        gets the same budget as the target's."""
         c = model.config
         if max_model_len is not None and not 0 < max_model_len <= c.max_seq_len:
             raise ValueError(f"the context size must be in 1..{c.max_seq_len} (the model's), got {max_model_len}")
@@ -80,13 +93,27 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_step_tokens, max_waiting)
         self.requests: dict[str, _Request] = {}
         self._ids = 0
+        self.speculative, self.proposer, self.spec = speculative, None, SpecStats()
+        if speculative is not None and speculative.method == "ngram":
+            self.proposer = NgramProposer(speculative)
+        elif speculative is not None:
+            if draft_model is None:
+                raise ValueError("speculative decoding with a draft model needs the draft model")
+            if draft_model.config.vocab_size != c.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
+                                 f"target's ({c.vocab_size}); a draft must share the target's tokenizer")
+            self.proposer = DraftProposer(draft_model, tokenizer.vocab_size, parse_kv_format(kv_format),
+                                          kv_budget(kv_memory, draft_model.device), page_size)
+        self._proposals: dict[str, Proposal] = {}
 
     # ---- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: list[int] | list[dict], params: SamplingParams, request_id: str | None = None,
-                    grammar=None) -> str:
+                    grammar=None, spec_k: int | None = None) -> str:
         """Queue a request: token ids, or chat messages ({"role", "content"} dicts) rendered with the
-        model's chat template; `grammar` (runtime/grammar.py) constrains its tokens. Raises
+        model's chat template; `grammar` (runtime/grammar.py) constrains its tokens (and turns
+        speculation off for it); spec_k: most drafts per step for this request (default: the
+        engine's k; 0: none). Raises
         scheduler.QueueFull when the waiting queue is at its bound, and ValueError for a prompt the
         context cannot hold."""
         prompt_ids = (self.tok.encode_chat(prompt, add_generation_prompt=True)
@@ -102,14 +129,20 @@ class Engine:
         max_tokens = min(params.max_tokens, limit - len(prompt_ids))
         seq = Sequence(request_id, list(prompt_ids), max_tokens)
         self.scheduler.add(seq)
+        k = (self.speculative.k if spec_k is None else spec_k) if self.proposer is not None else 0
+        if not 0 <= k <= 16:
+            raise ValueError(f"spec_k must be in 0..16, got {spec_k}")
         self.requests[request_id] = _Request(seq, SamplingState(params, tuple(prompt_ids)),
-                                             StreamDetokenizer(self.tok), StopMatcher(params.stop), grammar)
+                                             StreamDetokenizer(self.tok), StopMatcher(params.stop), grammar,
+                                             spec_k=0 if grammar is not None else k)
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its pages go back at once."""
         if self.requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
+            if self.proposer is not None:
+                self.proposer.release(request_id)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.num_running or self.scheduler.num_waiting)
@@ -117,39 +150,107 @@ class Engine:
     def stats(self) -> dict:
         b = self.blocks
         queried = max(1, b.prefix_queried_tokens)
-        return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-                "pages_used": b.num_used_pages, "pages_free": b.num_free_pages, "pages_total": self.pool.num_pages,
-                "prefix_hit_rate": b.prefix_hits_tokens / queried, "preemptions": self.scheduler.num_preemptions}
+        out = {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+               "pages_used": b.num_used_pages, "pages_free": b.num_free_pages, "pages_total": self.pool.num_pages,
+               "prefix_hit_rate": b.prefix_hits_tokens / queried, "preemptions": self.scheduler.num_preemptions}
+        if self.proposer is not None:
+            out |= self.spec.as_dict()
+        return out
 
     # ---- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[Delta]:
+        self._propose()
         scheduled = self.scheduler.schedule()
+        self._drop_unscheduled_drafts(scheduled)
         if not scheduled:  # nothing to run; a sequence the pool cannot hold may have been finished
             return [self._final(q.seq_id, q.finish_reason) for q in self.scheduler.postprocess([], {})
                     if q.seq_id in self.requests]
-        logits = self._run(scheduled)  # [R, V] for the sampled sequences, in order
-        sampling = [s for s in scheduled if s.sample]
-        states = [self.requests[s.seq.seq_id].state for s in sampling]
+        logits = self._run(scheduled)  # [R, V]: one row per sampled sequence, 1 + drafts for a speculating one
         mask_padding(logits, self.tok.vocab_size)
-        grammars = [self.requests[s.seq.seq_id].grammar for s in sampling]
-        for row, g in enumerate(grammars):
-            if g is not None:
-                g.mask(logits[row])
-        results = sample_batch(logits, states) if sampling else []
-        for g, r in zip(grammars, results):
-            if g is not None:
-                g.accept(r.token)
-        sampled = {s.seq.seq_id: r.token for s, r in zip(sampling, results)}
+        sampling = [s for s in scheduled if s.sample]
+        plain, spec, rows, at = [], [], [], 0
+        for s in sampling:
+            (spec if s.num_drafts else plain).append(s)
+            rows.append(slice(at, at + 1 + s.num_drafts))
+            at += 1 + s.num_drafts
+        chosen: dict[str, list[SampleResult]] = {}
+        plain_rows = [r.start for s, r in zip(sampling, rows) if not s.num_drafts]
+        if plain:
+            chosen |= self._sample(plain, logits[plain_rows])
+        for s, r in zip(sampling, rows):
+            if s.num_drafts:
+                chosen[s.seq.seq_id] = self._verify(s, logits[r])
         for s in scheduled:  # the prefix-cache hit of a sequence's first chunk, for its usage
             req = self.requests[s.seq.seq_id]
             if s.start == s.seq.num_cached and not s.seq.output_ids:
                 req.cached = s.seq.num_cached
+        sampled = {sid: res[-1].token for sid, res in chosen.items()}
         finished = {q.seq_id: q.finish_reason for q in self.scheduler.postprocess(scheduled, sampled)}
-        deltas = [self._emit(s.seq.seq_id, r, finished.get(s.seq.seq_id)) for s, r in zip(sampling, results)]
-        return deltas + [self._final(rid, why) for rid, why in finished.items()
-                         if rid in self.requests and rid not in sampled]
+        deltas = [self._emit(s.seq.seq_id, chosen[s.seq.seq_id], finished.get(s.seq.seq_id)) for s in sampling]
+        deltas += [self._final(rid, why) for rid, why in finished.items() if rid in self.requests and rid not in sampled]
+        if self.proposer is not None:
+            for d in deltas:
+                if d.finish_reason is not None:
+                    self.proposer.release(d.request_id)
+        return deltas
+
+    def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> dict[str, list[SampleResult]]:
+        """One token for each sequence not speculating this step: logits [len(items), V]."""
+        states = [self.requests[s.seq.seq_id].state for s in items]
+        grammars = [self.requests[s.seq.seq_id].grammar for s in items]
+        for row, g in enumerate(grammars):
+            if g is not None:
+                g.mask(logits[row])
+        out = sample_batch(logits, states)
+        for g, r in zip(grammars, out):
+            if g is not None:
+                g.accept(r.token)
+        return {s.seq.seq_id: [r] for s, r in zip(items, out)}
+
+    # ---- speculation ---------------------------------------------------------------------------
+
+    def _propose(self) -> None:
+        """Drafts for every running sequence that is ready to decode and speculates; they join its
+        pending token in this step's chunk. A sequence never drafts past its max_tokens."""
+        self._proposals = {}
+        if self.proposer is None:
+            return
+        items = []
+        for seq in self.scheduler.running:
+            req = self.requests.get(seq.seq_id)
+            if req is None or not req.spec_k or seq.num_drafts or seq.num_tokens - seq.num_computed != 1:
+                continue
+            k = min(req.spec_k, seq.max_tokens - len(seq.output_ids) - 1)
+            if k > 0:
+                items.append((seq.seq_id, seq.all_ids, k, req.state))
+        if items:
+            self._proposals = {sid: p for sid, p in self.proposer.propose(items).items() if p.drafts}
+        for sid, p in self._proposals.items():
+            self.scheduler.add_drafts(sid, p.drafts)
+
+    def _drop_unscheduled_drafts(self, scheduled: list[ScheduledSeq]) -> None:
+        """Drafts the scheduler did not place with their sequence this step are forgotten."""
+        placed = {s.seq.seq_id for s in scheduled if s.num_drafts}
+        for sid in list(self._proposals):
+            if sid not in placed:
+                seq = self.scheduler.seqs.get(sid)
+                if seq is not None:
+                    self.scheduler.drop_drafts(seq)
+                del self._proposals[sid]
+
+    def _verify(self, s: ScheduledSeq, logits: torch.Tensor) -> list[SampleResult]:
+        """logits [1 + drafts, V] of one speculating sequence → the accepted drafts and the target's
+        token, as sampled results; the rejected drafts are rolled back."""
+        sid = s.seq.seq_id
+        req, proposal = self.requests[sid], self._proposals[sid]
+        v = verify(logits, proposal, req.state)
+        self.scheduler.resolve_drafts(sid, v.accepted)
+        req.spec.add(len(proposal.drafts), v.accepted)
+        self.spec.add(len(proposal.drafts), v.accepted)
+        n = req.state.params.logprobs
+        return results(v.processed, torch.tensor(v.tokens), [n] * len(v.tokens))
 
     def _run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         dev = self.model.device
@@ -160,8 +261,8 @@ class Engine:
             positions += range(s.start, s.start + s.num_tokens)
             prompt_rows += [p < len(s.seq.prompt_ids) for p in range(s.start, s.start + s.num_tokens)]
             n += s.num_tokens
-            if s.sample:
-                rows.append(n - 1)
+            if s.sample:  # the last position, and every draft's (verification needs them all)
+                rows += range(n - 1 - s.num_drafts, n)
         batch = PagedBatch(
             positions=torch.tensor(positions, device=dev),
             slots=torch.tensor([slot for s in scheduled for slot in s.slots], device=dev),
@@ -176,25 +277,34 @@ class Engine:
             exact = ExactRows.of(prompt_rows, dev)
         return self.model.forward_paged(torch.tensor(tokens, device=dev), batch, self.pool, exact)
 
-    def _emit(self, rid: str, result, finish: str | None) -> Delta:
+    def _emit(self, rid: str, chosen: list[SampleResult], finish: str | None) -> Delta:
+        """One delta for the tokens a step chose for a request (one, or an accepted speculative run
+        and the target's token). A stop token or stop string ends the request at that token: any
+        later token of the run is dropped."""
         req = self.requests[rid]
         p = req.state.params
-        tok = result.token
-        req.state.output_ids.append(tok)
-        stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tok.eos_ids)
-        text = "" if stop_token else req.detok.push(tok)
-        text, stopped = req.stops.feed(text)
-        if stop_token or stopped:
-            finish = "stop"
-            if req.seq.status.name != "FINISHED":
-                self.scheduler.finish(rid, "stop")
-        logprobs = [(result.logprob, result.top_logprobs)] if p.logprobs is not None else []
-        delta = Delta(rid, text, [] if stop_token else [tok], logprobs, finish)
+        ids, text, logprobs, stop_token, stopped = [], "", [], False, False
+        for result in chosen:
+            tok = result.token
+            req.state.output_ids.append(tok)
+            stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tok.eos_ids)
+            piece, stopped = req.stops.feed("" if stop_token else req.detok.push(tok))
+            text += piece
+            if not stop_token:
+                ids.append(tok)
+            if p.logprobs is not None:
+                logprobs.append((result.logprob, result.top_logprobs))
+            if stop_token or stopped:
+                finish = "stop"
+                if req.seq.status.name != "FINISHED":
+                    self.scheduler.finish(rid, "stop")
+                break
+        delta = Delta(rid, text, ids, logprobs, finish)
         if finish is not None:
             if not stopped:
                 delta.text += req.stops.feed(req.detok.flush())[0] + req.stops.flush()
-            n_out = len(req.seq.output_ids) - (1 if stop_token else 0)
-            delta.usage = Usage(len(req.seq.prompt_ids), n_out, req.cached)
+            n_out = len(req.state.output_ids) - (1 if stop_token else 0)
+            delta.usage = Usage(len(req.seq.prompt_ids), n_out, req.cached, req.spec if req.spec.passes else None)
             del self.requests[rid]
         return delta
 
@@ -203,7 +313,8 @@ class Engine:
         req = self.requests.pop(rid)
         text = req.stops.feed(req.detok.flush())[0] + req.stops.flush()
         return Delta(rid, text, [], finish_reason=finish,
-                     usage=Usage(len(req.seq.prompt_ids), len(req.seq.output_ids), req.cached))
+                     usage=Usage(len(req.seq.prompt_ids), len(req.seq.output_ids), req.cached,
+                                 req.spec if req.spec.passes else None))
 
 
 class AsyncEngine:

@@ -248,7 +248,7 @@ def final_probs(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.
     return probs / probs.sum(-1, keepdim=True)
 
 
-def _draw(probs: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+def draw(probs: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """One uniform per row from the row's generator → token ids [B] by inverse CDF."""
     u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in states])
     cdf = probs.double().cumsum(-1)  # fp64: an fp32 sum of 49152 terms may drift by n·eps ≈ 3e-3
@@ -274,10 +274,15 @@ def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState]) -> list[
     if sampled:
         rows = torch.tensor(sampled, device=x.device)
         sub = [states[i] for i in sampled]
-        tokens[rows] = _draw(truncated_probs(x[rows], sub), sub)
+        tokens[rows] = draw(truncated_probs(x[rows], sub), sub)
+    return results(x, tokens, [s.params.logprobs for s in states])
+
+
+def results(x: torch.Tensor, tokens: torch.Tensor, want: list[int | None]) -> list[SampleResult]:
+    """Processed logits [B, V] and the token chosen in each row [B] → SampleResults, with the
+    logprobs each row asks for (`want`: None, or the number of alternatives)."""
     token_list = tokens.tolist()
-    want = [s.params.logprobs for s in states]
-    chosen_lp, top = [None] * len(states), [None] * len(states)
+    chosen_lp, top = [None] * len(want), [None] * len(want)
     if any(n is not None for n in want):
         lp = torch.log_softmax(x, dim=-1)
         chosen_lp = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()

@@ -19,10 +19,13 @@ max_tokens) between any two steps. Pure Python, no torch. Policy of one `schedul
    to it) finishes with "length", like a request reaching the context length; `add` already
    refuses prompts longer than the pool, so such a sequence always has outputs. Nothing loops.
 
-Speculative decoding appends several tokens and rolls back the rejected ones: the speculator puts
-its k drafts into `output_ids`, the next step runs them as one chunk (scheduled in pass 2, since
-more than one token is pending), and before `postprocess` the engine calls `rollback(seq_id,
-rejected)`, then postprocess appends the target's token after the accepted drafts.
+Speculative decoding (runtime/speculative.py) appends several tokens and rolls back the rejected
+ones: the engine puts a sequence's k drafts into `output_ids` (`add_drafts`), the step schedules
+its last sampled token and the drafts as one decode chunk of k + 1 tokens (pass 1, whole or with
+the drafts dropped when the budget is short), the model scores every position, and before
+`postprocess` the engine calls `resolve_drafts(seq_id, accepted)`, which rolls back the rejected
+drafts and their KV; postprocess then appends the target's token after the accepted ones. Drafts
+are never part of a preempted sequence: they are dropped with its pages.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Sequence:
     arrival: int = 0  # admission order, set by Scheduler.add
     finish_reason: str | None = None
     preemptions: int = 0
+    num_drafts: int = 0  # the last num_drafts output_ids are speculative drafts awaiting verification
 
     @property
     def all_ids(self) -> list[int]:
@@ -71,13 +75,15 @@ class Sequence:
 class ScheduledSeq:
     """Run seq.all_ids[start : start + num_tokens] this step, writing their KV into `slots`
     ([num_tokens] pool slots). sample: the chunk reaches the end of all_ids, so its last logits
-    are sampled and the token is handed to postprocess."""
+    are sampled and the token is handed to postprocess. num_drafts: the chunk ends with that many
+    drafts, so the logits of its last num_drafts + 1 positions are all needed."""
 
     seq: Sequence
     start: int
     num_tokens: int
     slots: list[int]
     sample: bool
+    num_drafts: int = 0
 
 
 class Scheduler:
@@ -131,13 +137,15 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         batch: list[ScheduledSeq] = []
-        for seq in list(self.running):  # 1. decodes
-            if seq.status is Status.RUNNING and seq.num_tokens - seq.num_computed == 1:
+        for seq in list(self.running):  # 1. decodes (with their drafts)
+            if seq.status is Status.RUNNING and seq.num_tokens - seq.num_computed == 1 + seq.num_drafts:
                 if self._budget(batch) < 1:
                     break
-                self._place(seq, 1, batch)
-        for seq in list(self.running):  # 2. running prefills (and speculative drafts)
-            if seq.status is Status.RUNNING and seq.num_tokens - seq.num_computed > 1:
+                if self._budget(batch) < 1 + seq.num_drafts:
+                    self.drop_drafts(seq)
+                self._place(seq, 1 + seq.num_drafts, batch)
+        for seq in list(self.running):  # 2. running prefills (drafts were placed, or dropped, in pass 1)
+            if seq.status is Status.RUNNING and seq.num_tokens - seq.num_computed > 1 and not seq.num_drafts:
                 if self._budget(batch) < 1:
                     break
                 self._place(seq, min(seq.num_tokens - seq.num_computed, self._budget(batch)), batch)
@@ -160,7 +168,7 @@ class Scheduler:
             if victim is seq:
                 return False
         start = seq.num_computed
-        batch.append(ScheduledSeq(seq, start, n, slots, start + n == seq.num_tokens))
+        batch.append(ScheduledSeq(seq, start, n, slots, start + n == seq.num_tokens, seq.num_drafts))
         return True
 
     def _admit(self, seq: Sequence, batch: list[ScheduledSeq]) -> bool:
@@ -190,6 +198,7 @@ class Scheduler:
         placed for it this step is dropped (nothing has run yet)."""
         self.bm.free(seq.seq_id)
         batch[:] = [item for item in batch if item.seq is not seq]
+        self.drop_drafts(seq)
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         seq.status, seq.num_computed, seq.num_cached = Status.WAITING, 0, 0
@@ -260,6 +269,30 @@ class Scheduler:
         if written == seq.num_computed:  # no chunk in flight
             keep = min(keep, seq.num_tokens - 1)
         self._cut_cache(seq, keep)
+
+    def add_drafts(self, seq_id: str, drafts: list[int]) -> None:
+        """Append speculative drafts to a running sequence that is about to decode (its last sampled
+        token pending, no drafts yet); they run with that token in the next step."""
+        seq = self.seqs[seq_id]
+        if seq.status is not Status.RUNNING or seq.num_drafts or seq.num_tokens - seq.num_computed != 1:
+            raise ValueError(f"add_drafts {seq_id!r}: only a running sequence ready to decode takes drafts")
+        seq.output_ids.extend(drafts)
+        seq.num_drafts = len(drafts)
+
+    def drop_drafts(self, seq: Sequence) -> None:
+        """Forget drafts that were never run (no budget, preempted); no KV was written for them."""
+        if seq.num_drafts:
+            del seq.output_ids[-seq.num_drafts :]
+            seq.num_drafts = 0
+
+    def resolve_drafts(self, seq_id: str, accepted: int) -> None:
+        """After the step that ran a sequence's drafts and before its postprocess: keep the first
+        `accepted`, roll back the rest with their KV; the kept ones become ordinary outputs."""
+        seq = self.seqs[seq_id]
+        if not 0 <= accepted <= seq.num_drafts:
+            raise ValueError(f"resolve_drafts {seq_id!r}: accepted={accepted} outside [0, {seq.num_drafts}]")
+        rejected, seq.num_drafts = seq.num_drafts - accepted, 0
+        self.rollback(seq_id, rejected)
 
     def _cut_cache(self, seq: Sequence, keep: int) -> None:
         """Keep KV for the first `keep` tokens. Below the committed (possibly shared) pages the cut

@@ -28,6 +28,15 @@ class _EngineCollector:
                                 "share of looked-up prompt tokens served from the prefix cache")):
             yield GaugeMetricFamily(name, doc, value=s[key])
         yield CounterMetricFamily("lowbit_preemptions", "sequences preempted for KV pages", value=s["preemptions"])
+        if "spec_passes" in s:  # speculative decoding (vLLM's spec_decode counters, by lowbit's names)
+            for name, key, doc in (("lowbit_spec_decode_passes", "spec_passes", "target passes that verified drafts"),
+                                   ("lowbit_spec_draft_tokens", "spec_drafted", "draft tokens proposed"),
+                                   ("lowbit_spec_accepted_tokens", "spec_accepted", "draft tokens accepted")):
+                yield CounterMetricFamily(name, doc, value=s[key])
+            yield GaugeMetricFamily("lowbit_spec_acceptance_rate", "accepted / proposed draft tokens",
+                                    value=s["spec_acceptance_rate"])
+            yield GaugeMetricFamily("lowbit_spec_tokens_per_pass", "mean tokens per verifying target pass "
+                                    "(accepted drafts + the target's token)", value=s["spec_tokens_per_pass"])
 
 
 class ServerMetrics:

@@ -122,3 +122,24 @@ def lowbit_server(default_gguf, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
 
+
+
+class ByteTokenizer:
+    """For tiny random models with a vocabulary of 101: token i < 100 is the byte i + 32
+    (printable ASCII); 100 is the end token."""
+
+    vocab_size = 101
+    special_ids = frozenset({100})
+    eos_ids = frozenset({100})
+
+    def token_bytes(self, i: int) -> bytes:
+        return b"" if i == 100 else bytes([i + 32])
+
+    def encode_chat(self, messages, add_generation_prompt=True) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return [min(ord(ch) - 32, 99) for ch in text]
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer() -> ByteTokenizer:
+    return ByteTokenizer()

@@ -242,6 +242,8 @@ BAD_FLAGS = {
     "kv-memory-unreadable": (["--kv-memory", "lots"], ("lots",)),
     "kv-memory-share-too-big": (["--kv-memory", "150%"], ("150%",)),
     "kv-memory-too-small": (["--kv-memory", "1000", "--temperature", "0.5"], ("holds no page",)),
+    "speculative-unknown": (["--speculative", "medusa"], ("--speculative", "medusa", "ngram")),
+    "speculative-k-zero": (["--speculative", "ngram,k=0"], ("k must be in 1..16",)),
 }
 if not torch.cuda.is_available():
     BAD_FLAGS["device-cuda-without-gpu"] = (["--device", "cuda"], ("cuda", "no CUDA GPU"))
@@ -272,7 +274,7 @@ def failures(bad_files, empty_models, default_models, work) -> dict:
 @pytest.mark.parametrize("sub, flags", [
     ([], ["run", "pull", "models", "info"]),
     (["run"], ["--model", "--weights", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--system",
-               "--raw", "--threads", "--device", "--dtype", "--kv-cache", "--kv-memory"]),
+               "--raw", "--threads", "--device", "--dtype", "--kv-cache", "--kv-memory", "--speculative"]),
     (["pull"], ["model", "LOWBIT_MODELS"]),
     (["models"], ["LOWBIT_MODELS"]),
     (["info"], ["model", "--weights", "--device"]),
@@ -308,6 +310,26 @@ def test_tiny_model_runs_sampled_through_the_engine(kv, tiny_gguf, work, empty_m
     assert r.returncode == 0, r.stderr
     last = r.stderr.rstrip("\n").splitlines()[-1]
     assert STATS.search(last) and f"kv {kv}]" in last, r.stderr
+
+
+@pytest.mark.parametrize("spec", ["ngram,k=3", "draft=self:int8,k=2"])
+def test_tiny_model_runs_speculative(spec, tiny_gguf, work, empty_models):
+    """Greedy with speculation: the same reply as the engine's plain greedy, and the stats line
+    reports the drafts."""
+    common = ["run", "--model", tiny_gguf, "--max-tokens", "12", "--temperature", "0", "hi hi hi"]
+    plain = lowbit([*common, "--fast-greedy"], empty_models, work)
+    r = lowbit([*common, "--speculative", spec], empty_models, work)
+    assert r.returncode == 0 and plain.returncode == 0, r.stderr + plain.stderr
+    assert r.stdout == plain.stdout
+    last = r.stderr.rstrip("\n").splitlines()[-1]
+    assert STATS.search(last) and f"speculative {spec}: " in last, r.stderr
+    assert re.search(r"(\d+)/(\d+) drafts accepted \(\d+%\), [\d.]+ tokens per target pass|no drafts", last), last
+
+
+@pytest.mark.slow
+def test_draft_with_another_vocabulary_is_refused(tiny_gguf, default_gguf, work, empty_models):
+    r = lowbit(["run", "--model", tiny_gguf, "--speculative", f"draft={default_gguf}", "hi"], empty_models, work)
+    assert_one_line_error(r, "vocabulary differs")
 
 
 def test_tiny_model_prompt_from_stdin(tiny_gguf, work, empty_models):
@@ -376,6 +398,18 @@ def test_run_default_model(default_models, work):
     assert STATS.search(last), r.stderr
     assert all(w in last for w in ("prompt", "TTFT", "tok/s")) and "SmolLM2-135M-Instruct.Q4_1.gguf" in last
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_run_default_model_speculative_greedy_is_unchanged(default_models, work):
+    prompt = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
+    plain = lowbit(["run", "--temperature", "0", "--max-tokens", "40", "--fast-greedy", prompt], default_models, work)
+    r = lowbit(["run", "--temperature", "0", "--max-tokens", "40", "--speculative", "ngram,k=4", prompt],
+               default_models, work)
+    assert r.returncode == 0 and plain.returncode == 0, r.stderr + plain.stderr
+    assert r.stdout == plain.stdout and "quick brown fox" in r.stdout
+    m = re.search(r"(\d+)/(\d+) drafts accepted", r.stderr)
+    assert m and int(m.group(1)) > 0, r.stderr  # the reply copies the prompt: lookup drafts get accepted
 
 
 @pytest.mark.slow

@@ -1,0 +1,104 @@
+"""`lowbit run`: one prompt, the reply streamed to stdout, one stats line on stderr."""
+
+from __future__ import annotations
+
+import sys
+
+from lowbit.runtime.engine_args import load_draft, parse_size, parse_speculative
+from lowbit.runtime.errors import LowbitError
+
+
+def cmd_run(args) -> int:
+    from lowbit.runtime.loader import load
+    from lowbit.runtime.sampler import SamplingParams
+
+    prompt = args.prompt if args.prompt is not None else ("" if sys.stdin.isatty() else sys.stdin.read())
+    if not prompt.strip():
+        raise LowbitError("empty prompt: pass it as an argument or on stdin")
+    if args.max_tokens < 1:
+        raise LowbitError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                max_tokens=args.max_tokens)
+    except ValueError as e:
+        raise LowbitError(str(e)) from None
+    kv_memory = parse_size(args.kv_memory)
+    spec = parse_speculative(args.speculative)
+    lm = load(args.model, args.weights, device=args.device, dtype=args.dtype)
+    draft = load_draft(spec, lm, args.device, args.dtype)
+    tok = lm.tokenizer
+    if args.raw:
+        ids = tok.encode(prompt, add_special=True)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": prompt}]
+        try:
+            ids = tok.encode_chat(messages, add_generation_prompt=True)
+        except ValueError as e:
+            raise LowbitError(str(e)) from None
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    spec_stats = None
+    try:
+        if args.temperature == 0 and not args.fast_greedy and spec is None:
+            res, kv = _verified_greedy(lm, ids, args.max_tokens, write), "f32 (verified greedy)"
+        else:
+            res, spec_stats = _engine_run(lm, ids, params, args.kv_cache, kv_memory, write, spec, draft)
+            kv = args.kv_cache
+    except ValueError as e:
+        raise LowbitError(str(e)) from None
+    if not res.text.endswith("\n"):
+        write("\n")
+    speculated = ""
+    if spec is not None:
+        s = spec_stats
+        speculated = (f", speculative {args.speculative}: no drafts" if s is None else
+                      f", speculative {args.speculative}: {s.accepted}/{s.drafted} drafts accepted "
+                      f"({100 * s.acceptance_rate:.0f}%), {s.tokens_per_pass:.2f} tokens per target pass")
+    print(f"[{lm.path.name} {lm.weights} {lm.model.device.type} kv {kv}] prompt {res.prompt_tokens} tokens, "
+          f"TTFT {res.ttft_s * 1000:.0f} ms, "
+          f"{len(res.token_ids)} tokens at {res.decode_tok_s:.1f} tok/s decode, finish: {res.finish_reason}{speculated}",
+          file=sys.stderr)
+    return 0
+
+
+def _verified_greedy(lm, ids, max_tokens, write):
+    """Greedy with every token checked by the exact model (runtime/generate.py). It still runs on the
+    contiguous fp32 cache: moving verification into the engine is speculative decoding's job."""
+    from lowbit.runtime.generate import generate
+    from lowbit.runtime.sampler import Sampler, SamplingParams
+
+    return generate(lm.model, lm.tokenizer, ids, max_tokens, Sampler(SamplingParams(temperature=0)), on_text=write)
+
+
+def _engine_run(lm, ids, params, kv_format, kv_memory, write, spec=None, draft=None):
+    """One request through the paged engine, streamed → (result, speculative stats or None)."""
+    import time
+
+    from lowbit.runtime.engine import Engine
+    from lowbit.runtime.generate import GenerationResult
+
+    engine = Engine(lm.model, lm.tokenizer, kv_format=kv_format, kv_memory=kv_memory, speculative=spec,
+                    draft_model=draft)
+    t0 = time.perf_counter()
+    rid = engine.add_request(ids, params)
+    out, pieces, t_first, t_last, finish, spec_stats = [], [], None, None, "length", None
+    while engine.has_work():
+        for d in engine.step():
+            now = time.perf_counter()
+            if d.token_ids:
+                t_first = t_first or now
+                t_last = now
+                out += d.token_ids
+            if d.text:
+                pieces.append(d.text)
+                write(d.text)
+            if d.finish_reason is not None and d.request_id == rid:
+                finish = d.finish_reason
+                spec_stats = d.usage.spec if d.usage is not None else None
+    t_first = t_first or time.perf_counter()
+    res = GenerationResult(out, "".join(pieces), len(ids), t_first - t0, (t_last or t_first) - t_first, finish)
+    return res, spec_stats
