@@ -56,3 +56,29 @@ def test_merge_keeps_each_pair_once_and_refuses_different_runs(tmp_path):
                                                        ("auto", "k4v4")]
     with pytest.raises(ValueError, match="different model, text or windows"):
         merge([a, c])
+
+
+def test_eval_plot_command_merges_runs_into_one_chart(tmp_path, capsys):
+    import json
+
+    from lowbit.runtime.cli import main
+
+    def full(rows):  # rows as `lowbit eval --out` writes them
+        doc = _doc(rows)
+        doc["reference"].update(ppl_stderr=0.5, tokens=10240)
+        for r in doc["rows"]:
+            r.update(bits_per_weight=8.0, ppl=20.0, ppl_stderr=0.5, dppl_pct=0.0, kl_p99=r["kl_mean"] * 5,
+                     kl_max=r["kl_mean"] * 9, top1_pct=99.0, tokens=10240, decode_tps=None)
+        return doc
+
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "chart.png"
+    a.write_text(json.dumps(full([("fp32 (reference)", "f16", 0.0), ("int8", "f16", 0.003)])))
+    b.write_text(json.dumps(full([("fp32 (reference)", "f16", 0.0), ("auto", "k8v4", 0.005)])))
+    assert main(["eval", "plot", str(a), str(b), "-o", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.count("| fp32 (reference) | f16 |") == 1 and "| int8 | f16 |" in table and "| auto | k8v4 |" in table
+    assert out.stat().st_size > 10_000
+    # a run of another text is refused with one line
+    b.write_text(json.dumps({**full([("auto", "k4v4", 0.03)]), "text": "other.txt"}))
+    assert main(["eval", "plot", str(a), str(b), "-o", str(out)]) == 1
+    assert "different model, text or windows" in capsys.readouterr().err
