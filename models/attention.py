@@ -29,6 +29,9 @@ class PagedBatch:
     context_lens: list[int]  # tokens in the cache per sequence once this step's are written
     block_tables: list[torch.Tensor]  # int64 page ids per sequence, covering context_lens
     logits_rows: torch.Tensor  # int64 [R]: rows of M whose logits are wanted
+    # per sequence: attend its queries one at a time, each exactly as a single-token decode step
+    # would (a speculative chunk: its rows then match plain decoding bit for bit); None = all False
+    one_by_one: list[bool] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,18 +88,31 @@ class PagedAttention:
         M, H, D = q.shape
         out = torch.empty(M, H, D, dtype=torch.float32, device=q.device)
         row = 0
-        for n, ctx, pages in zip(b.query_lens, b.context_lens, b.block_tables):
+        one_by_one = b.one_by_one or [False] * len(b.query_lens)
+        for n, ctx, pages, single in zip(b.query_lens, b.context_lens, b.block_tables, one_by_one):
             keys, values = self.pool.gather(layer, pages, ctx)  # [Hkv, ctx, D]
-            pos = b.positions[row:row + n]
-            k_pos = torch.arange(ctx, device=q.device)
-            mask = k_pos[None, :] <= pos[:, None]  # [n, ctx]
-            if self.window is not None:
-                mask &= k_pos[None, :] > pos[:, None] - self.window
-            qs = q[row:row + n].float().transpose(0, 1)  # [H, n, D]
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=H != keys.shape[0])
-            out[row:row + n] = o.transpose(0, 1)  # [n, H, D]
+            if single:
+                # SDPA's CPU kernels differ in the last bits between 1 and n queries, and the bf16
+                # decode kernels downstream can turn that into another greedy token (measured on the
+                # default model): so each query sees exactly a decode step's inputs
+                for i in range(n):
+                    c = ctx - n + i + 1  # keys up to and including this token
+                    out[row + i] = self._sdpa(q[row + i:row + i + 1], keys[:, :c], values[:, :c],
+                                              b.positions[row + i:row + i + 1])[0]
+            else:
+                out[row:row + n] = self._sdpa(q[row:row + n], keys, values, b.positions[row:row + n])
             row += n
         return out.reshape(M, H * D)
+
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """q [n, H, D] at positions pos [n]; keys/values [Hkv, ctx, D] → [n, H, D] (causal, window)."""
+        k_pos = torch.arange(keys.shape[1], device=q.device)
+        mask = k_pos[None, :] <= pos[:, None]  # [n, ctx]
+        if self.window is not None:
+            mask &= k_pos[None, :] > pos[:, None] - self.window
+        qs = q.float().transpose(0, 1)  # [H, n, D]
+        o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[0])
+        return o.transpose(0, 1)  # [n, H, D]
 
     def _fused(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool, b, fmt = self.pool, self.batch, self.pool.fmt

@@ -269,7 +269,8 @@ class Engine:
             query_lens=[s.num_tokens for s in scheduled],
             context_lens=[s.start + s.num_tokens for s in scheduled],
             block_tables=[torch.tensor(self.blocks.block_table(s.seq.seq_id), device=dev) for s in scheduled],
-            logits_rows=torch.tensor(rows, dtype=torch.long, device=dev))
+            logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            one_by_one=[s.num_drafts > 0 for s in scheduled])
         exact = self.exact
         if exact is None and self.model.backend.name == "torch":
             # CPU kernels differ by path (exact fp32 vs fused bf16): prompt tokens always exact, generated

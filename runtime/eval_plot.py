@@ -35,6 +35,17 @@ def label(row: dict) -> str:
     return f"{row['weights']} · {row['kv']}"
 
 
+def _labels(rows: list[dict], xs: list[float], ys: list[float], on: set[int]):
+    """One label per distinct point: rows at the same memory and KL (a lossless relayout and the
+    layout it equals) share it, joined by '='. → (x, y, text, any on the frontier), top first."""
+    groups: dict[tuple[float, float], list[int]] = {}
+    for i in range(len(rows)):
+        groups.setdefault((round(xs[i], 3), ys[i]), []).append(i)
+    out = [(xs[g[0]], ys[g[0]], " = ".join(label(rows[i]) for i in g), any(i in on for i in g))
+           for g in groups.values()]
+    return sorted(out, key=lambda t: (-t[1], t[0]))
+
+
 def plot(rows: list[dict], out: Path, ctx: int, batch: int, title: str = "") -> list[dict]:
     """Writes the PNG; returns the frontier rows (cheapest first)."""
     import matplotlib
@@ -48,7 +59,7 @@ def plot(rows: list[dict], out: Path, ctx: int, batch: int, title: str = "") -> 
     ys = [r["kl_mean"] if r["kl_mean"] > 0 else zero_y for r in rows]
     best = frontier(list(zip(xs, ys)))
 
-    fig, ax = plt.subplots(figsize=(10, 6.5))
+    fig, ax = plt.subplots(figsize=(13, 6.5))
     on = set(best)
     ax.plot([xs[i] for i in best], [ys[i] for i in best], color="tab:green", lw=1.5, zorder=1, label="frontier")
     for i, r in enumerate(rows):
@@ -56,8 +67,20 @@ def plot(rows: list[dict], out: Path, ctx: int, batch: int, title: str = "") -> 
         color = "tab:orange" if peer else "tab:blue"
         ax.scatter(xs[i], ys[i], s=46, zorder=2, marker="s" if peer else "o", edgecolors=color,
                    facecolors=color if i in on else "white")
-        ax.annotate(label(r), (xs[i], ys[i]), textcoords="offset points", xytext=(5, 4), fontsize=7.5,
-                    color="black" if i in on else "dimgray")
+    # frontier points are labelled in place (they lie apart along the frontier); the others, often
+    # clustered (every requantized 4-bit layout lands near the same spot), get a number and a line in
+    # the key beside the plot
+    key = []
+    for x, y, names, best_here in _labels(rows, xs, ys, on):
+        if best_here:
+            ax.annotate(names, (x, y), textcoords="offset points", xytext=(6, 3), fontsize=7.5)
+        else:
+            kl = "0" if y == zero_y else f"{y:.3g}"
+            key.append(f"{len(key) + 1:>2}  {names}: KL {kl}, {x:.0f} MiB")
+            ax.annotate(str(len(key)), (x, y), textcoords="offset points", xytext=(-4, 5), fontsize=7,
+                        color="dimgray", ha="right")
+    if key:
+        fig.text(0.715, 0.88, "not on the frontier:\n" + "\n".join(key), fontsize=7.5, va="top", family="monospace")
     ax.set_yscale("log")
     if any(r["kl_mean"] == 0 for r in rows):
         ax.axhline(zero_y, color="gray", lw=0.6, ls=":")
@@ -70,7 +93,7 @@ def plot(rows: list[dict], out: Path, ctx: int, batch: int, title: str = "") -> 
     ax.scatter([], [], marker="s", edgecolors="tab:orange", facecolors="white", label="bitsandbytes / llama.cpp")
     ax.legend(fontsize=8, loc="upper right")
     ax.set_title(title or "lowbit eval: quality against memory (filled: on the frontier)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.71, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return [rows[i] for i in best]

@@ -266,3 +266,35 @@ def test_served_with_speculation_reports_it_on_metrics(target, byte_tokenizer):
     finally:
         srv.should_exit = True
         th.join(timeout=10)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_one_by_one_rows_attend_exactly_as_decode_steps(window):
+    """A speculative chunk's attention (PagedBatch.one_by_one) equals, bit for bit, the same tokens
+    attended one decode step at a time; the batched chunk is only close (SDPA's kernels differ in
+    the last bits with the number of queries)."""
+    from lowbit.models.attention import PagedAttention, PagedBatch
+    from lowbit.quant.kv import KV_FORMATS
+    from lowbit.runtime.kv_cache import KVPool
+
+    H, Hkv, D, P, ctx0, n = 9, 3, 64, 16, 37, 5
+    g = torch.Generator().manual_seed(0)
+    k, v, q = (torch.randn(ctx0 + n, Hkv, D, generator=g), torch.randn(ctx0 + n, Hkv, D, generator=g),
+               torch.randn(ctx0 + n, H, D, generator=g))
+    pages = torch.tensor([3, 0, 2, 1])
+
+    def step(pool, start: int, count: int, one_by_one: bool) -> torch.Tensor:
+        pos = torch.arange(start, start + count)
+        b = PagedBatch(pos, pages[pos // P] * P + pos % P, [count], [start + count], [pages],
+                       torch.arange(count), [one_by_one])
+        return PagedAttention(pool, b, window)(0, q[start:start + count], k[start:start + count],
+                                                v[start:start + count])
+
+    pools = [KVPool(KV_FORMATS["k8v4"], 1, Hkv, D, num_pages=4, page_size=P) for _ in range(3)]
+    for pool in pools:
+        step(pool, 0, ctx0, False)  # the same prompt in every pool
+    chunk = step(pools[0], ctx0, n, True)
+    batched = step(pools[1], ctx0, n, False)
+    single = torch.cat([step(pools[2], ctx0 + i, 1, False) for i in range(n)])
+    assert torch.equal(chunk, single)
+    assert torch.allclose(batched, single, atol=1e-5)
