@@ -43,7 +43,9 @@ class SpecConfig:
     k: int = 4
     draft: str | None = None  # model reference, or "self:<weights>"
     ngram_max: int = 3  # longest suffix looked up (prompt lookup's max_ngram_size)
-    ngram_min: int = 1
+    # shortest: a single repeated token predicts little (default model, grounded prompts, k=4: 15% of
+    # drafts accepted with 1-token matches, 31% with 2; decode 0.96x against 1.12x plain decoding)
+    ngram_min: int = 2
 
     @staticmethod
     def parse(text: str) -> "SpecConfig":
@@ -69,7 +71,7 @@ class SpecConfig:
             n = opts.get("n", 3)
             if not 1 <= n <= 8:
                 raise ValueError(f"--speculative: n must be in 1..8, got {n}")
-            return SpecConfig("ngram", k, ngram_max=n)
+            return SpecConfig("ngram", k, ngram_max=n, ngram_min=min(2, n))
         if head.startswith("draft=") and head[6:] and "n" not in opts:
             return SpecConfig("draft", k, draft=head[6:])
         raise ValueError(f"--speculative {text!r}: {usage}")
