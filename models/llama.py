@@ -165,6 +165,8 @@ class Llama(nn.Module):
         delta, residual = self.embed(tokens).to(dtype), None  # [M, dim]
         for i, layer in enumerate(self.layers):
             delta, residual = layer(delta, residual, i, cos, sin, attend, exact, dtype)
+        if rows is not None and rows.numel() == 0:  # a step of prefill chunks that all end mid-prompt
+            return torch.empty(0, self.config.vocab_size, device=tokens.device)
         if rows is not None:
             delta, residual = delta[rows].contiguous(), residual[rows].contiguous()  # [R, dim]
             if isinstance(exact, ExactRows):

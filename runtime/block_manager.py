@@ -91,6 +91,11 @@ class BlockManager:
         self.prefix_hits_tokens += self.lens[seq_id]
         return self.lens[seq_id]
 
+    def can_append(self, seq_id: str, n: int) -> bool:
+        """Whether append_slots(seq_id, n) would find its pages without evicting anyone's."""
+        ps, length = self.page_size, self.lens.get(seq_id, 0)
+        return -(-(length + n) // ps) - len(self.tables.get(seq_id, [])) <= self.num_free_pages
+
     def append_slots(self, seq_id: str, n: int) -> list[int] | None:
         """Slots for the sequence's next n token positions, growing its block table as needed.
         None, with nothing changed, when the pool cannot supply the pages."""

@@ -27,7 +27,7 @@ from lowbit.runtime.detokenizer import StreamDetokenizer
 from lowbit.runtime.kv_cache import KVPool
 from lowbit.runtime.sampler import SampleResult, SamplingParams, SamplingState, mask_padding, results, sample_batch
 from lowbit.runtime.scheduler import ScheduledSeq, Scheduler, Sequence
-from lowbit.runtime.speculative import DraftProposer, NgramProposer, Proposal, SpecConfig, SpecStats, verify
+from lowbit.runtime.speculative import MAX_K, DraftProposer, NgramProposer, Proposal, SpecConfig, SpecStats, verify
 from lowbit.runtime.stop import StopMatcher
 
 DEFAULT_KV_MEMORY = 256 << 20  # bytes: 28,137 tokens of the default model in k8v4 (9,540 B/token)
@@ -126,12 +126,12 @@ class Engine:
         if request_id is None:
             self._ids += 1
             request_id = f"req-{self._ids}"
+        k = (self.speculative.k if spec_k is None else spec_k) if self.proposer is not None else 0
+        if not 0 <= k <= MAX_K:
+            raise ValueError(f"spec_k must be in 0..{MAX_K}, got {k}")
         max_tokens = min(params.max_tokens, limit - len(prompt_ids))
         seq = Sequence(request_id, list(prompt_ids), max_tokens)
         self.scheduler.add(seq)
-        k = (self.speculative.k if spec_k is None else spec_k) if self.proposer is not None else 0
-        if not 0 <= k <= 16:
-            raise ValueError(f"spec_k must be in 0..16, got {spec_k}")
         self.requests[request_id] = _Request(seq, SamplingState(params, tuple(prompt_ids)),
                                              StreamDetokenizer(self.tok), StopMatcher(params.stop), grammar,
                                              spec_k=0 if grammar is not None else k)
@@ -165,8 +165,8 @@ class Engine:
         scheduled = self.scheduler.schedule()
         self._drop_unscheduled_drafts(scheduled)
         if not scheduled:  # nothing to run; a sequence the pool cannot hold may have been finished
-            return [self._final(q.seq_id, q.finish_reason) for q in self.scheduler.postprocess([], {})
-                    if q.seq_id in self.requests]
+            return self._released([self._final(q.seq_id, q.finish_reason)
+                                   for q in self.scheduler.postprocess([], {}) if q.seq_id in self.requests])
         logits = self._run(scheduled)  # [R, V]: one row per sampled sequence, 1 + drafts for a speculating one
         mask_padding(logits, self.tok.vocab_size)
         sampling = [s for s in scheduled if s.sample]
@@ -190,6 +190,10 @@ class Engine:
         finished = {q.seq_id: q.finish_reason for q in self.scheduler.postprocess(scheduled, sampled)}
         deltas = [self._emit(s.seq.seq_id, chosen[s.seq.seq_id], finished.get(s.seq.seq_id)) for s in sampling]
         deltas += [self._final(rid, why) for rid, why in finished.items() if rid in self.requests and rid not in sampled]
+        return self._released(deltas)
+
+    def _released(self, deltas: list[Delta]) -> list[Delta]:
+        """The draft model's pages of every request these deltas finish go back."""
         if self.proposer is not None:
             for d in deltas:
                 if d.finish_reason is not None:
@@ -250,7 +254,7 @@ class Engine:
         req.spec.add(len(proposal.drafts), v.accepted)
         self.spec.add(len(proposal.drafts), v.accepted)
         n = req.state.params.logprobs
-        return results(v.processed, torch.tensor(v.tokens), [n] * len(v.tokens))
+        return results(v.processed, torch.tensor(v.tokens, device=v.processed.device), [n] * len(v.tokens))
 
     def _run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         dev = self.model.device

@@ -6,6 +6,8 @@ the page pools' bookkeeping (every page free again, invariants hold)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -298,3 +300,63 @@ def test_one_by_one_rows_attend_exactly_as_decode_steps(window):
     single = torch.cat([step(pools[2], ctx0 + i, 1, False) for i in range(n)])
     assert torch.equal(chunk, single)
     assert torch.allclose(batched, single, atol=1e-5)
+
+
+def _steps(engine: Engine, reqs) -> tuple[list, list, int]:
+    ids = [engine.add_request(p, sp) for p, sp in reqs]
+    toks, lps, usage, n = {i: [] for i in ids}, {i: [] for i in ids}, {}, 0
+    while engine.has_work():
+        n += 1
+        for d in engine.step():
+            toks[d.request_id] += d.token_ids
+            lps[d.request_id] += d.logprobs
+            if d.finish_reason:
+                usage[d.request_id] = d.usage
+    return [(toks[i], lps[i], usage[i].completion_tokens) for i in ids], n
+
+
+PAGE_BYTES = CFG.n_layers * 2 * CFG.n_kv_heads * CFG.head_dim * 2 * 16  # one f16 page of 16 tokens
+
+
+def test_drafts_never_cost_other_sequences_pages_or_budget(target, byte_tokenizer):
+    """Drafts are dropped, not paid for: a pool sized for two replies without drafts preempts
+    nobody, a step budget of one token per sequence still decodes every sequence each step, and a
+    reply growing to the pool's end stops where plain decoding stops, its draft pages freed."""
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ps = [p * 2 for p in prompts(4, seed=9)[:2]]
+    ps = [p[:10] * 2 for p in ps]  # repeating: the self-draft is right most of the time
+    spec = SpecConfig.parse("draft=self,k=4")
+    for kw in ({"kv_memory": 8 * PAGE_BYTES}, {"kv_memory": 1 << 20, "max_num_seqs": 2, "max_step_tokens": 2}):
+        plain, n_plain = _steps(Engine(target, byte_tokenizer, kv_format="f16", **kw), [(p, greedy) for p in ps])
+        engine = Engine(target, byte_tokenizer, kv_format="f16", speculative=spec, draft_model=tiny("int4-g128"), **kw)
+        got, n_spec = _steps(engine, [(p, greedy) for p in ps])
+        assert got == plain and engine.stats()["preemptions"] == 0 and n_spec <= n_plain, kw
+        assert_all_free(engine)
+    # one reply to the end of a 3-page pool (48 tokens): "length" at the same token, and the draft's
+    # pool (a 1-layer draft: 6 pages in the same bytes, so it is not the one that fills) freed
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    plain, _ = _steps(Engine(target, byte_tokenizer, kv_format="f16", kv_memory=3 * PAGE_BYTES), [(ps[0], long)])
+    one_layer = dataclasses.replace(CFG, n_layers=1)
+    draft = Llama(one_layer, random_weights(one_layer, "int4-g32", "int8", seed=2, scale=0.1)).eval()
+    engine = Engine(target, byte_tokenizer, kv_format="f16", kv_memory=3 * PAGE_BYTES, speculative=spec,
+                    draft_model=draft)
+    got, _ = _steps(engine, [(ps[0], long)])
+    pages = engine.pool.num_pages * 16
+    assert got == plain and got[0][2] == pages - len(ps[0]) + 1  # the pool full, plus the token pending
+    assert_all_free(engine)
+
+
+def test_logprobs_of_verified_tokens_equal_plain_decodings(target, byte_tokenizer):
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+    p = prompts(2, seed=4)[1]
+    plain, _ = _steps(Engine(target, byte_tokenizer, kv_memory=1 << 20), [(p, sp)])
+    engine = Engine(target, byte_tokenizer, kv_memory=1 << 20, speculative=SpecConfig.parse("ngram,k=3"))
+    got, _ = _steps(engine, [(p, sp)])
+    assert got == plain and len(got[0][1]) == 20 and engine.stats()["spec_accepted"] > 0
+
+
+def test_a_bad_spec_k_leaves_nothing_behind(target, byte_tokenizer):
+    engine = Engine(target, byte_tokenizer, kv_memory=1 << 20, speculative=SpecConfig.parse("ngram,k=3"))
+    with pytest.raises(ValueError, match="spec_k must be in 0..16"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), spec_k=17)
+    assert not engine.has_work() and not engine.requests
