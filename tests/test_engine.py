@@ -20,26 +20,12 @@ from lowbit.quant.kv import KV_FORMATS
 from lowbit.runtime.engine import AsyncEngine, Engine
 from lowbit.runtime.kv_cache import KVPool
 from lowbit.runtime.sampler import SamplingParams
+from tests.conftest import ByteTokenizer  # conftest is loaded (as tests.conftest) before any test module
 
 VOCAB = 101
 CFG = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
                   vocab_size=VOCAB, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=128, tie_embeddings=False)
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
-
-
-class ByteTokenizer:
-    """Token i < 100 is the byte i + 32 (printable ASCII); 100 is the end token."""
-
-    vocab_size = VOCAB
-    special_ids = frozenset({100})
-    eos_ids = frozenset({100})
-
-    def token_bytes(self, i: int) -> bytes:
-        return b"" if i == 100 else bytes([i + 32])
-
-    def encode_chat(self, messages, add_generation_prompt=True) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
-        return [min(ord(ch) - 32, 99) for ch in text]
 
 
 @pytest.fixture(scope="module")
