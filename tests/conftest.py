@@ -1,5 +1,6 @@
 """Shared pytest fixtures."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -143,3 +144,26 @@ class ByteTokenizer:
 @pytest.fixture(scope="session")
 def byte_tokenizer() -> ByteTokenizer:
     return ByteTokenizer()
+
+
+@contextlib.contextmanager
+def serving(app):
+    """An ASGI app on a free loopback port, uvicorn in a thread → its base URL (http://127.0.0.1:P);
+    stopped on exit."""
+    import threading
+    import time
+
+    import uvicorn
+
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    try:
+        deadline = time.time() + 20
+        while not srv.started:
+            assert time.time() < deadline and th.is_alive(), "server did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{srv.config.port}"
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)

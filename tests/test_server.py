@@ -4,20 +4,18 @@ real uvicorn server on a free loopback port, over a tiny random model and a byte
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import Llama
 from lowbit.models.synthetic import random_weights
 from lowbit.runtime.engine import AsyncEngine, Engine
 from lowbit.runtime.server import Served, build_app
+from tests.conftest import serving
 
 VOCAB = 101
 CTX = 128
@@ -46,12 +44,6 @@ class ByteTokenizer:
         return self.encode(text)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     model = Llama(CFG, random_weights(CFG, "int4-g32", "int8-g32", seed=0, scale=0.1)).eval()
@@ -67,17 +59,8 @@ def server():
 
     engine._run = slow_run
     app = build_app(Served(AsyncEngine(engine), ByteTokenizer(), NAME, CTX), api_key=KEY)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline and th.is_alive(), "server did not start"
-        time.sleep(0.02)
-    yield engine, f"http://127.0.0.1:{port}/v1"
-    srv.should_exit = True
-    th.join(timeout=10)
+    with serving(app) as base:
+        yield engine, base + "/v1"
 
 
 @pytest.fixture(scope="module")
@@ -382,16 +365,7 @@ def test_json_schema_constrains_a_random_model(client):
 
 def test_health_is_503_until_the_model_is_ready():
     app = build_app(None, api_key=None)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    try:
-        deadline = time.time() + 20
-        while not srv.started:
-            assert time.time() < deadline and th.is_alive(), "server did not start"
-            time.sleep(0.02)
-        base = f"http://127.0.0.1:{port}"
+    with serving(app) as base:
         assert httpx.get(base + "/health").status_code == 503
         r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading" and "retry-after" in r.headers
@@ -402,9 +376,6 @@ def test_health_is_503_until_the_model_is_ready():
         assert httpx.get(base + "/health").status_code == 200
         r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
-    finally:
-        srv.should_exit = True
-        th.join(timeout=10)
 
 
 def test_failure_after_the_stream_began_is_an_error_event(server, client):

@@ -221,15 +221,11 @@ def test_sampled_outputs_follow_the_targets_distribution(target, byte_tokenizer,
 def test_served_with_speculation_reports_it_on_metrics(target, byte_tokenizer):
     """`lowbit serve --speculative ...`'s engine behind the OpenAI port: a greedy completion equals
     the non-speculative engine's, and /metrics carries the speculative counters."""
-    import socket
-    import threading
-    import time
-
     import httpx
-    import uvicorn
 
     from lowbit.runtime.engine import AsyncEngine
     from lowbit.runtime.server import Served, build_app
+    from tests.conftest import serving
 
     class Tok(type(byte_tokenizer)):  # printable text for every id, as the server streams text
         def token_bytes(self, i: int) -> bytes:
@@ -243,18 +239,7 @@ def test_served_with_speculation_reports_it_on_metrics(target, byte_tokenizer):
                      [(Tok().encode(prompt), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), None)])
     engine = Engine(target, Tok(), kv_memory=1 << 20, speculative=SpecConfig.parse("ngram,k=3"))
     app = build_app(Served(AsyncEngine(engine), Tok(), "tiny", CFG.max_seq_len), api_key=None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    try:
-        deadline = time.time() + 20
-        while not srv.started:
-            assert time.time() < deadline and th.is_alive(), "server did not start"
-            time.sleep(0.02)
-        base = f"http://127.0.0.1:{port}"
+    with serving(app) as base:
         r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 20,
                                                        "temperature": 0, "ignore_eos": True}, timeout=60)
         assert r.status_code == 200, r.text
@@ -265,9 +250,6 @@ def test_served_with_speculation_reports_it_on_metrics(target, byte_tokenizer):
         assert values["lowbit_spec_draft_tokens_total"] > 0 and values["lowbit_spec_decode_passes_total"] > 0
         assert 0 <= values["lowbit_spec_accepted_tokens_total"] <= values["lowbit_spec_draft_tokens_total"]
         assert "lowbit_spec_acceptance_rate" in values and "lowbit_spec_tokens_per_pass" in values
-    finally:
-        srv.should_exit = True
-        th.join(timeout=10)
 
 
 @pytest.mark.parametrize("window", [None, 24])
