@@ -145,10 +145,11 @@ class Scheduler:
                 break
             # drafts only from what is left once every later decode has its token, and never at the
             # price of a page another sequence holds: short of either, they are dropped
-            later = sum(s.status is Status.RUNNING for s in decodes[i + 1:])
-            if seq.num_drafts and (self._budget(batch) - later < 1 + seq.num_drafts
-                                   or not self.bm.can_append(seq.seq_id, 1 + seq.num_drafts)):
-                self.drop_drafts(seq)
+            if seq.num_drafts:
+                later = sum(s.status is Status.RUNNING for s in decodes[i + 1:])
+                if (self._budget(batch) - later < 1 + seq.num_drafts
+                        or not self.bm.can_append(seq.seq_id, 1 + seq.num_drafts)):
+                    self.drop_drafts(seq)
             self._place(seq, 1 + seq.num_drafts, batch)
         for seq in list(self.running):  # 2. running prefills (drafts were placed, or dropped, in pass 1)
             if seq.status is Status.RUNNING and seq.num_tokens - seq.num_computed > 1 and not seq.num_drafts:
