@@ -77,8 +77,11 @@ class KVPool:
                 buf["codes"][page, :, off], buf["scales"][page, :, off], buf["mins"][page, :, off] = \
                     quantize_int4(x, g)
 
-    def gather(self, layer: int, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's first `length` tokens, dequantized: k, v fp32 [Hkv, length, D]."""
+    def gather(self, layer: int, pages: torch.Tensor, length: int,
+               rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's first `length` tokens, dequantized: k, v fp32 [Hkv, length, D].
+        rotated=True leaves rotated sides rotated (the caller rotates q and the output instead: M
+        rows per layer rather than the whole context)."""
         out = []
         for name, bits in (("k", self.fmt.k_bits), ("v", self.fmt.v_bits)):
             buf = {key: t[pages] for key, t in self.sides[layer][name].items()}  # [n, Hkv, page, ...]
@@ -88,7 +91,7 @@ class KVPool:
                 x = dequantize_int8(buf["codes"], buf["scales"])
             else:
                 x = dequantize_int4(buf["codes"], buf["scales"], buf["mins"])
-            if self.rot is not None and bits < 16:
+            if self.rot is not None and bits < 16 and not rotated:
                 x = x @ self.rot.T  # undo the rotation (orthonormal)
             x = x.transpose(0, 1).reshape(self.n_kv_heads, -1, self.head_dim)  # [Hkv, n*page, D]
             out.append(x[:, :length])
