@@ -2,9 +2,13 @@
 
 CPU has two paths, chosen per call by M (the rows of x):
 
-- M < EXACT_MIN_ROWS (decode): torch's fused kernel `_weight_int4pack_mm_for_cpu`. It is fast only
-  in bf16 (1728x576 weight, M = 1, on this project's 2-core AVX-512 machine: bf16 0.085 ms, fp16
-  1.48 ms, fp32 1.17 ms), so x and the scale/zero pairs go in as bf16 and y comes out bf16.
+- M < EXACT_MIN_ROWS (decode, speculative verification, small batches): lowbit's C kernel
+  (kernels/cpu_native.py, cpu_wq_mm.c), fp32 in and out, reading the codes in torch's packed layout
+  with the exact fp16 scales. Where it cannot be built (no C compiler, no AVX2/FMA/F16C, or
+  LOWBIT_NATIVE=0): torch's fused kernel `_weight_int4pack_mm_for_cpu`, which is fast only in bf16
+  (1728x576 weight, M = 1: bf16 0.085 ms, fp16 1.48 ms, fp32 1.17 ms), so x and the scale/zero
+  pairs go in as bf16 and y comes out bf16; its cost grows with every row (M = 5: 0.32 ms, against
+  0.17 ms for the C kernel).
 - M >= EXACT_MIN_ROWS (prefill, evaluation): the codes are unpacked from the kernel's layout and
   dequantized with the exact fp16 scales into an fp32 tile that lives for this call only, then
   multiplied by oneDNN's fp32 GEMM. Exact, and faster than the fused kernel once M is large
@@ -14,8 +18,8 @@ A torch build whose packing differs from torch 2.13's (torch 2.11 on a CUDA mach
 codes in lowbit's own nibble layout instead and runs the exact path for every M: correct, with a
 slower decode, and a warning saying so.
 
-Only the packed codes and the file's own fp16 scales and mins are held (the bf16 scale/zero pairs
-are rebuilt per decode call), so memory stays at the GGUF's size.
+Only the packed codes and the file's own fp16 scales and mins are held (torch's kernel gets its bf16
+scale/zero pairs rebuilt per call), so memory stays at the GGUF's size.
 
 The kernel's convention w = (u - 8) * scale + zero covers both lowbit layouts: asymmetric
 (w = d * u + m) is scale = d, zero = m + 8 d; symmetric (w = d * (u - 8)) is zero = 0.
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from lowbit.kernels.cpu_native import native
 
 EXACT_MIN_ROWS = 16
 _BLOCK_N = 32  # rows per tile in torch 2.13's CPU int4 packing; checked on every weight at pack time
@@ -128,7 +134,7 @@ def dequantize_packed_t(w: Int4Packed) -> torch.Tensor:
 
 def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.Tensor:
     """x [M, K] (any float dtype) → y [M, N]: exact fp32 when `exact` (default: M >= EXACT_MIN_ROWS),
-    else bf16 from the fused kernel."""
+    else from the C kernel (fp32) or torch's fused kernel (bf16)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"int4_mm: x has shape {tuple(x.shape)}, expected [M, {w.in_features}]")
     if x.device.type != "cpu":
@@ -138,6 +144,8 @@ def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.
         x = F.pad(x, (0, Kp - w.in_features))
     if not w.fused or (exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS):
         y = x.float() @ dequantize_packed_t(w)
+    elif (kernels := native()) is not None:
+        y = kernels.int4_mm(x.float(), w.packed, w.scale_min, w.group_size)
     else:
         y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w.packed, w.group_size,
                                               w.scale_zeros())

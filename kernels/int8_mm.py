@@ -2,11 +2,14 @@
 
 CPU, like int4 (kernels/int4_mm.py), has two paths chosen by M:
 
-- M < EXACT_MIN_ROWS: torch's fused `_weight_int8pack_mm`, which takes one scale per output
-  channel and is fast only in bf16 (49152x576 LM head, M = 1: bf16 2.3 ms, fp32 20.7 ms).
-  Per-group scales (GGUF Q8_0: one per 32 weights) are served by calling it once per group on that
-  group's columns and summing (LM head, M = 1: 4.6 ms) — the codes are kept group-major [G, N, g]
-  so each slice is contiguous, and rows can still be gathered for embedding lookups.
+- M < EXACT_MIN_ROWS: lowbit's C kernel (kernels/cpu_native.py), fp32, exact fp16 scales (LM head
+  49152x576 Q8_0: 4.4 ms at M = 1, 11.4 ms at M = 5). Without it, torch's fused
+  `_weight_int8pack_mm`, which takes one scale per output channel and is fast only in bf16 (LM
+  head, M = 1: bf16 2.3 ms, fp32 20.7 ms): per-group scales (GGUF Q8_0: one per 32 weights) are
+  served by calling it once per group on that group's columns and summing (LM head, M = 1: 4.6 ms,
+  M = 5: 20 ms).
+  The codes are kept group-major [G, N, g] so each group's slice is contiguous, and rows can still
+  be gathered for embedding lookups.
 - M >= EXACT_MIN_ROWS: exact fp32 — row tiles dequantized with the exact scales, fp32 GEMM.
 
 The kernel reads K in steps of 8 (K % 8 != 0 returns garbage or crashes), so per-channel codes
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lowbit.kernels.cpu_native import native
 from lowbit.kernels.int4_mm import EXACT_MIN_ROWS
 
 _TILE_ELEMS = 1 << 22  # exact path: dequantize ~4M weights (16 MB fp32) at a time
@@ -55,8 +59,8 @@ def int8_pack(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> 
 
 
 def int8_mm(x: torch.Tensor, w: Int8Packed, exact: bool | None = None) -> torch.Tensor:
-    """x [M, K] → y [M, N]: exact fp32 when `exact` (default: M >= EXACT_MIN_ROWS), else from the
-    bf16 fused kernel."""
+    """x [M, K] → y [M, N]: exact fp32 when `exact` (default: M >= EXACT_MIN_ROWS), else from the C
+    kernel (fp32) or torch's bf16 fused kernel."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"int8_mm: x has shape {tuple(x.shape)}, expected [M, {w.in_features}]")
     if x.device.type != "cpu":
@@ -68,6 +72,8 @@ def int8_mm(x: torch.Tensor, w: Int8Packed, exact: bool | None = None) -> torch.
         x = x.float()
         step = max(1, _TILE_ELEMS // (G * g))
         return torch.cat([F.linear(x, w.dequantize(slice(i, i + step))) for i in range(0, N, step)], dim=-1)
+    if (kernels := native()) is not None:
+        return kernels.int8_mm(x.float(), w.qweight, w.scales)
     x = x.to(torch.bfloat16)
     if G == 1:
         return torch._weight_int8pack_mm(x.contiguous(), w.qweight[0], w.scales_t[0])

@@ -141,6 +141,22 @@ class ByteTokenizer:
         return [min(ord(ch) - 32, 99) for ch in text]
 
 
+@pytest.fixture(params=["c", "torch"])
+def decode_kernel(request, monkeypatch) -> str:
+    """Decode-sized CPU matmuls run lowbit's C kernel (kernels/cpu_native.py) where it builds, else
+    torch's fused bf16 kernels: a test taking this fixture runs with each, the second by hiding the
+    first."""
+    from lowbit.kernels import int4_mm, int8_mm
+    from lowbit.kernels.cpu_native import native
+
+    if request.param == "torch":
+        monkeypatch.setattr(int4_mm, "native", lambda: None)
+        monkeypatch.setattr(int8_mm, "native", lambda: None)
+    elif native() is None:
+        pytest.skip("the C kernels do not build here (tests/test_cpu_native.py says whether they must)")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def byte_tokenizer() -> ByteTokenizer:
     return ByteTokenizer()
