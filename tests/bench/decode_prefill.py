@@ -16,8 +16,11 @@ engines' own counters.
   tok/s = 512 / seconds.
 - decode fused: prompt (--prompt, lowbit's tokenizer; same ids for both) prefilled untimed, then
   --decode-tokens single-token steps, each a forward of the previous token plus greedy argmax,
-  end tokens ignored. lowbit: model(..., exact=False) (fused bf16 kernels); llama.cpp: eval([tok])
-  and argmax of llama_get_logits_ith(ctx, -1). tok/s = tokens / loop seconds.
+  end tokens ignored. lowbit: model(..., exact=False) (its decode kernels: the C kernel of
+  kernels/cpu_native.py where it builds); llama.cpp: eval([tok]) and argmax of
+  llama_get_logits_ith(ctx, -1). tok/s = tokens / loop seconds.
+- decode, torch kernels: the same lowbit loop with the C kernel hidden, so torch's fused bf16
+  kernels run (the lever's effect, side by side; "ratio" is against llama.cpp as in every row).
 - decode verified greedy: lowbit.runtime.generate.generate(..., temperature 0, verify_greedy=True),
   the exact model's greedy reply drafted by the fused kernels; tok/s = its decode_tok_s (tokens
   after the first / first-to-last seconds; stops early at an end token, tokens reported). Its
@@ -63,6 +66,17 @@ def lowbit_decode(lm, prompt, n) -> float:
         for pos in range(len(prompt), len(prompt) + n):
             tok = int(lm.model(torch.tensor([[tok]]), cache, pos, exact=False)[0, -1].argmax())
         return n / (time.perf_counter() - t0)
+
+
+def lowbit_decode_torch_kernels(lm, prompt, n) -> float:
+    """lowbit_decode with torch's fused bf16 kernels in place of the C kernel."""
+    from lowbit.kernels import int4_mm, int8_mm
+    saved = int4_mm.native, int8_mm.native
+    int4_mm.native = int8_mm.native = lambda: None
+    try:
+        return lowbit_decode(lm, prompt, n)
+    finally:
+        int4_mm.native, int8_mm.native = saved
 
 
 def lowbit_verified(lm, prompt, n) -> tuple[float, int]:
@@ -126,11 +140,13 @@ def main(argv=None) -> int:
     # warm-up (one-time allocations, kernel selection), not reported
     lowbit_prefill(lm, ids), lowbit_decode(lm, prompt, 4), llama_prefill(llm, ids), llama_decode(llm, prompt, 4)
 
-    s = {k: [] for k in ("prefill_lowbit", "prefill_llama", "decode_lowbit", "decode_llama", "verified_lowbit")}
+    s = {k: [] for k in ("prefill_lowbit", "prefill_llama", "decode_lowbit", "decode_lowbit_torch", "decode_llama",
+                         "verified_lowbit")}
     verified_tokens = []
     for _ in range(a.reps):
         s["prefill_lowbit"].append(PREFILL / timed(lambda: lowbit_prefill(lm, ids)))
         s["decode_lowbit"].append(lowbit_decode(lm, prompt, n))
+        s["decode_lowbit_torch"].append(lowbit_decode_torch_kernels(lm, prompt, n))
         tps, got = lowbit_verified(lm, prompt, n)
         s["verified_lowbit"].append(tps)
         verified_tokens.append(got)
@@ -139,7 +155,8 @@ def main(argv=None) -> int:
 
     med = {k: statistics.median(v) for k, v in s.items()}
     rows = [("prefill 512 tok (tok/s)", "prefill_lowbit", "prefill_llama"),
-            ("decode fused bf16 (tok/s)", "decode_lowbit", "decode_llama"),
+            ("decode (tok/s)", "decode_lowbit", "decode_llama"),
+            ("decode, torch kernels", "decode_lowbit_torch", "decode_llama"),
             ("decode verified greedy", "verified_lowbit", "decode_llama")]
     out = {
         "model": path.name, "threads": a.threads, "reps": a.reps, "prompt_tokens": len(prompt),
