@@ -16,9 +16,11 @@ Prompt sets: input-grounded (rewrite, copy-edit, summarize a passage of the ship
 excerpt: replies copy long runs of the prompt) and open-ended chat. Decode tok/s per request =
 (output tokens - 1) / (last token time - first token time), wall clock around engine.step(); the
 table shows medians over requests, the ratio to the baseline of the same target and set, the
-acceptance rate and tokens per target pass, and whether every greedy reply equals the baseline's
-token for token. Modes alternate per prompt (baseline, ngram, self-draft, next prompt ...) so they
-share the machine's noise.
+acceptance rate, tokens per target pass (passes that verified drafts), tokens per engine step
+(for prompt lookup, the speed-up a free verification pass would give: its ceiling for this model
+and these prompts), and whether every greedy reply equals the baseline's token for token. Modes
+alternate per prompt (baseline, ngram, self-draft, next prompt ...) so they share the machine's
+noise.
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ OPEN_ENDED = ["Write a short story about a lighthouse keeper who finds a message
 def run_one(engine: Engine, ids: list[int], max_tokens: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     rid = engine.add_request(ids, params)
-    toks, t_first, t_last, spec = [], None, None, None
+    toks, t_first, t_last, spec, steps = [], None, None, None, 0
     while engine.has_work():
+        steps += t_first is not None  # decode steps: those after the first token's
         for d in engine.step():
             now = time.perf_counter()
             if d.token_ids:
@@ -68,7 +71,7 @@ def run_one(engine: Engine, ids: list[int], max_tokens: int) -> dict:
                 spec = d.usage.spec
     tps = (len(toks) - 1) / (t_last - t_first) if len(toks) > 1 and t_last > t_first else float("nan")
     return {"tokens": toks, "tps": tps, "drafted": spec.drafted if spec else 0, "accepted": spec.accepted if spec else 0,
-            "passes": spec.passes if spec else 0}
+            "passes": spec.passes if spec else 0, "decode_steps": steps}
 
 
 def main() -> None:
@@ -102,18 +105,22 @@ def main() -> None:
             base = statistics.median(r["tps"] for r in got["baseline"])
             for m, rs in got.items():
                 tps = statistics.median(r["tps"] for r in rs)
-                drafted, accepted, passes = (sum(r[k] for r in rs) for k in ("drafted", "accepted", "passes"))
+                drafted, accepted, passes, steps = (sum(r[k] for r in rs)
+                                                    for k in ("drafted", "accepted", "passes", "decode_steps"))
                 same = all(r["tokens"] == b["tokens"] for r, b in zip(rs, got["baseline"]))
                 rows.append({"target": target, "set": set_name, "mode": m, "median_decode_tps": tps,
                              "ratio": tps / base, "acceptance": accepted / drafted if drafted else None,
                              "tokens_per_pass": (accepted + passes) / passes if passes else None,
+                             # tokens per engine step: the speed-up a free verification pass would give
+                             "tokens_per_step": sum(len(r["tokens"]) - 1 for r in rs) / steps if steps else None,
                              "identical_greedy": same, "tokens": sum(len(r["tokens"]) for r in rs),
                              "samples_tps": [r["tps"] for r in rs]})
                 r = rows[-1]
                 acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
                 tpp = "-" if r["tokens_per_pass"] is None else f"{r['tokens_per_pass']:.2f}"
+                tps_ = "-" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
                 print(f"{target:>5} {set_name:<11} {m:<21} {tps:7.1f} tok/s  {r['ratio']:5.2f}x  accept {acc:>4}  "
-                      f"tokens/pass {tpp:>5}  identical {'yes' if same else 'NO'}", flush=True)
+                      f"tokens/pass {tpp:>5}  tokens/step {tps_:>5}  identical {'yes' if same else 'NO'}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": args.threads, "k": args.k, "max_tokens": args.max_tokens, "rows": rows}, f, indent=1)
