@@ -1,6 +1,7 @@
 """Which kernels a model runs, chosen once per model from its device (DESIGN.md, Backends).
 
-    torch   CPU: torch's fused int4/int8 weight-only kernels; the small ops are the plain-torch
+    torch   CPU: lowbit's C decode kernel or torch's fused int4/int8 weight-only kernels
+            (kernels/int4_mm.py, int8_mm.py choose); the small ops are the plain-torch
             `_ref` specs in fp32, so the CPU path is the reference arithmetic itself.
     triton  CUDA: the Triton kernels (kernels/wq_mm.py, rms_norm.py, rotary.py, silu_mul.py) with
             fp16 or bf16 activations. The tests also run it on CPU under Triton's interpreter.

@@ -277,7 +277,7 @@ class Engine:
             one_by_one=[s.num_drafts > 0 for s in scheduled])
         exact = self.exact
         if exact is None and self.model.backend.name == "torch":
-            # CPU kernels differ by path (exact fp32 vs fused bf16): prompt tokens always exact, generated
+            # CPU kernels differ by path (exact fp32 vs the fast kernel): prompt tokens always exact, generated
             # tokens always fast, so a reply does not depend on its batch or on prefix-cache hits
             exact = ExactRows.of(prompt_rows, dev)
         return self.model.forward_paged(torch.tensor(tokens, device=dev), batch, self.pool, exact)
