@@ -82,6 +82,13 @@ class KVPool:
         """A sequence's first `length` tokens, dequantized: k, v fp32 [Hkv, length, D].
         rotated=True leaves rotated sides rotated (the caller rotates q and the output instead: M
         rows per layer rather than the whole context)."""
+        k, v = self.gather_pages(layer, pages, rotated)
+        return self.tokens(k, length), self.tokens(v, length)
+
+    def gather_pages(self, layer: int, pages: torch.Tensor, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole pages, dequantized: k, v fp32 [n, Hkv, page, D]. With rotated=True (or no rotation)
+        every value is computed elementwise, so it does not depend on which other pages are read in
+        the same call: several sequences' pages can be read at once."""
         out = []
         for name, bits in (("k", self.fmt.k_bits), ("v", self.fmt.v_bits)):
             buf = {key: t[pages] for key, t in self.sides[layer][name].items()}  # [n, Hkv, page, ...]
@@ -93,6 +100,9 @@ class KVPool:
                 x = dequantize_int4(buf["codes"], buf["scales"], buf["mins"])
             if self.rot is not None and bits < 16 and not rotated:
                 x = x @ self.rot.T  # undo the rotation (orthonormal)
-            x = x.transpose(0, 1).reshape(self.n_kv_heads, -1, self.head_dim)  # [Hkv, n*page, D]
-            out.append(x[:, :length])
+            out.append(x)
         return out[0], out[1]
+
+    def tokens(self, x: torch.Tensor, length: int) -> torch.Tensor:
+        """[n, Hkv, page, D] pages of one sequence → its first `length` tokens [Hkv, length, D]."""
+        return x.transpose(0, 1).reshape(self.n_kv_heads, -1, self.head_dim)[:, :length]  # [Hkv, n*page, D]

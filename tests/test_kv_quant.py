@@ -76,3 +76,43 @@ def test_unknown_format_and_empty_budget_are_clear_errors():
         parse_kv_format("q3")
     with pytest.raises(ValueError, match="holds no page"):
         KVPool.from_budget(KV_FORMATS["k8v4"], 30, 3, 64, budget_bytes=1000)
+
+
+@pytest.mark.parametrize("name", ["f16", "k8v4", "k4v4"])
+def test_sequences_read_together_attend_as_they_do_alone(name, monkeypatch):
+    """PagedAttention reads several sequences' pages in one gather (up to GATHER_PAGES pages): each
+    sequence's output equals, bit for bit, a step that holds that sequence alone — with the page
+    budget set so that reads split between sequences (2 and 3 of them), and with one sequence larger
+    than the budget on its own."""
+    from lowbit.models import attention
+    from lowbit.models.attention import PagedAttention, PagedBatch
+
+    H, Hkv, D, P = 6, 2, 64, 4
+    g = torch.Generator().manual_seed(1)
+    pool = KVPool(KV_FORMATS[name], 1, Hkv, D, num_pages=40, page_size=P)
+    ctxs, news = [9, 3, 14, 5, 7], [1, 2, 1, 3, 1]  # tokens in the cache once the step's are written
+    perm = torch.randperm(40, generator=g)
+    tables, start = [], 0
+    for c in ctxs:  # scattered pages
+        tables.append(perm[start:start + -(-c // P)])
+        start += len(tables[-1])
+    for t, c in zip(tables, ctxs):  # fill the cache
+        pos = torch.arange(c)
+        pool.write(0, torch.randn(c, Hkv, D, generator=g), torch.randn(c, Hkv, D, generator=g),
+                   t[pos // P] * P + pos % P)
+    q = torch.randn(sum(news), H, D, generator=g)
+    k, v = torch.randn(sum(news), Hkv, D, generator=g), torch.randn(sum(news), Hkv, D, generator=g)
+    pos = torch.cat([torch.arange(c - n, c) for c, n in zip(ctxs, news)])
+    slots = torch.cat([t[p // P] * P + p % P for t, p in zip(tables, pos.split(news))])
+
+    def step(seqs):
+        rows = [r for s in seqs for r in range(sum(news[:s]), sum(news[:s + 1]))]
+        b = PagedBatch(pos[rows], slots[rows], [news[s] for s in seqs], [ctxs[s] for s in seqs],
+                       [tables[s] for s in seqs], torch.arange(len(rows)))
+        return PagedAttention(pool, b, None)(0, q[rows], k[rows], v[rows])
+
+    alone = [step([s]) for s in range(len(ctxs))]
+    for budget in (1024, 5, 3):
+        monkeypatch.setattr(attention, "GATHER_PAGES", budget)
+        together = step(list(range(len(ctxs))))
+        assert torch.equal(together, torch.cat(alone)), budget
