@@ -40,6 +40,20 @@ class PagedBatch:
         return int(self.positions.shape[0])
 
 
+def _groups(pages: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive sequences (start, end) whose pages add up to at most `budget` (a sequence with more
+    pages than that forms a group alone)."""
+    groups, start, total = [], 0, 0
+    for i, p in enumerate(pages):
+        if i > start and total + p > budget:
+            groups.append((start, i))
+            start, total = i, 0
+        total += p
+    if pages:
+        groups.append((start, len(pages)))
+    return groups
+
+
 class ContiguousAttention:
     def __init__(self, cache, start, mask):
         self.cache, self.start, self.mask = cache, start, mask
@@ -70,76 +84,69 @@ class ContiguousAttention:
 
 
 class PagedAttention:
-    """fused=False: the plain-torch path (CPU): the pool quantizes on write, then per sequence its
-    pages are gathered, dequantized and attended with masked SDPA. fused=True (CUDA): the Triton
+    """fused=False: the plain-torch path (CPU): the pool quantizes on write, then the sequences'
+    pages are gathered and dequantized (several sequences per read) and each sequence is attended
+    with SDPA. fused=True (CUDA): the Triton
     kernels kernels/kv_write.py and kernels/paged_attention.py quantize in-kernel and read the
     quantized pages directly, working in the rotated space (q rotated, output rotated back)."""
 
     def __init__(self, pool, batch: PagedBatch, sliding_window: int | None, fused: bool = False):
         self.pool, self.batch, self.window, self.fused = pool, batch, sliding_window, fused
-        self._read = None  # (layer, first sequence, page offsets, k, v): the last batched page read
+        # both sides rotated (k8v4, k4v4): attend in the rotated space, as the CUDA kernels do —
+        # q·k and p·v are unchanged by an orthonormal rotation, and rotating q and the output costs
+        # a sequence's new rows where un-rotating its gathered cache cost 2 x context rows per layer
+        both = pool.fmt.k_bits < 16 and pool.fmt.v_bits < 16
+        self.rot = pool.rot if pool.rot is not None and both else None
+        # sequences whose pages are read and dequantized together (one set of index and dequantize
+        # ops per layer instead of ~20 per sequence); dequantizing is elementwise, so a sequence's
+        # values do not depend on its company — but un-rotating one side is a matmul: one each then
         if fused:
             self.tensors = batch_tensors(batch.query_lens, batch.context_lens, batch.block_tables,
                                          batch.positions.device)  # once per step, not per layer
+        else:
+            budget = 1 if pool.rot is not None and self.rot is None else GATHER_PAGES
+            self.groups = _groups([len(t) for t in batch.block_tables], budget)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [M, H, D], k/v [M, Hkv, D] → fp32 [M, H*D]."""
         if self.fused:
             return self._fused(layer, q, k, v)
-        b, pool = self.batch, self.pool
-        pool.write(layer, k, v, b.slots)
+        b = self.batch
+        self.pool.write(layer, k, v, b.slots)
         M, H, D = q.shape
-        # both sides rotated (k8v4, k4v4): attend in the rotated space, as the CUDA kernels do —
-        # q·k and p·v are unchanged by an orthonormal rotation, and rotating q and the output costs
-        # a sequence's new rows where un-rotating its gathered cache cost 2 x context rows per layer
-        rot = pool.rot if pool.rot is not None and pool.fmt.k_bits < 16 and pool.fmt.v_bits < 16 else None
         out = torch.empty(M, H, D, dtype=torch.float32, device=q.device)
         row = 0
         one_by_one = b.one_by_one or [False] * len(b.query_lens)
-        for i, (n, ctx, single) in enumerate(zip(b.query_lens, b.context_lens, one_by_one)):
-            keys, values = self._cache(layer, i, ctx, rot is not None)  # [Hkv, ctx, D]
-            if single:
-                # SDPA's CPU kernels (and the GEMMs of the rotation) differ in the last bits between 1
-                # and n queries, and the bf16 decode kernels downstream can turn that into another
-                # greedy token (measured on the default model): so each query sees exactly a decode
-                # step's inputs
-                for j in range(n):
-                    c = ctx - n + j + 1  # keys up to and including this token
-                    out[row + j] = self._attend(q[row + j:row + j + 1], keys[:, :c], values[:, :c],
-                                                b.positions[row + j:row + j + 1], rot)[0]
-            else:
-                out[row:row + n] = self._attend(q[row:row + n], keys, values, b.positions[row:row + n], rot)
-            row += n
+        for start, end in self.groups:
+            for i, (keys, values) in enumerate(self._read(layer, start, end), start):  # [Hkv, ctx, D]
+                n, ctx = b.query_lens[i], b.context_lens[i]
+                if one_by_one[i]:
+                    # SDPA's CPU kernels (and the GEMMs of the rotation) differ in the last bits between
+                    # 1 and n queries, and the bf16 decode kernels downstream can turn that into another
+                    # greedy token (measured on the default model): so each query sees exactly a decode
+                    # step's inputs
+                    for j in range(n):
+                        c = ctx - n + j + 1  # keys up to and including this token
+                        out[row + j] = self._attend(q[row + j:row + j + 1], keys[:, :c], values[:, :c],
+                                                    b.positions[row + j:row + j + 1])[0]
+                else:
+                    out[row:row + n] = self._attend(q[row:row + n], keys, values, b.positions[row:row + n])
+                row += n
         return out.reshape(M, H * D)
 
-    def _cache(self, layer: int, seq: int, ctx: int, rotated: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence `seq`'s keys and values [Hkv, ctx, D]. Its pages are read and dequantized
-        together with the following sequences' (up to GATHER_PAGES pages per read): one set of
-        index and dequantize ops per layer instead of one per sequence (16 streams: ~20 ops x 16
-        per layer). Dequantizing is elementwise, so a sequence's values do not depend on its company;
-        a cache that would be un-rotated by a matmul is read per sequence."""
+    def _read(self, layer: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values [Hkv, ctx, D] of sequences start..end-1, from one read of their pages."""
         b, pool = self.batch, self.pool
-        if not rotated and pool.rot is not None:
-            return pool.gather(layer, b.block_tables[seq], ctx)
-        if self._read is None or self._read[0] != layer or seq >= self._read[1] + len(self._read[2]) - 1:
-            end, total = seq, 0
-            while end < len(b.block_tables) and (end == seq or total + len(b.block_tables[end]) <= GATHER_PAGES):
-                total += len(b.block_tables[end])
-                end += 1
-            tables = b.block_tables[seq:end]
-            k, v = pool.gather_pages(layer, torch.cat(tables) if len(tables) > 1 else tables[0], rotated)
-            offsets = [0]
-            for t in tables:
-                offsets.append(offsets[-1] + len(t))
-            self._read = (layer, seq, offsets, k, v)  # k, v [pages of sequences seq..end-1, Hkv, page, D]
-        _, first, offsets, k, v = self._read
-        a, z = offsets[seq - first], offsets[seq - first + 1]
-        return pool.tokens(k[a:z], ctx), pool.tokens(v[a:z], ctx)
+        tables = b.block_tables[start:end]
+        k, v = pool.gather_pages(layer, torch.cat(tables), rotated=self.rot is not None)  # [pages, Hkv, page, D]
+        sizes = [len(t) for t in tables]
+        return [(pool.tokens(ks, c), pool.tokens(vs, c))
+                for ks, vs, c in zip(k.split(sizes), v.split(sizes), b.context_lens[start:end])]
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
-                rot: torch.Tensor | None) -> torch.Tensor:
-        """One sequence's queries q [n, H, D] over its (rotated, if rot) keys/values → [n, H, D]. The
-        rotation is per sequence, so a row never depends on what else is in the batch."""
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One sequence's queries q [n, H, D] over its (rotated, if self.rot) keys/values → [n, H, D].
+        The rotation is per sequence, so a row never depends on what else is in the batch."""
+        rot = self.rot
         if rot is None:
             return self._sdpa(q, keys, values, pos)
         n, H, D = q.shape

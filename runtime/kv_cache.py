@@ -77,18 +77,15 @@ class KVPool:
                 buf["codes"][page, :, off], buf["scales"][page, :, off], buf["mins"][page, :, off] = \
                     quantize_int4(x, g)
 
-    def gather(self, layer: int, pages: torch.Tensor, length: int,
-               rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's first `length` tokens, dequantized: k, v fp32 [Hkv, length, D].
-        rotated=True leaves rotated sides rotated (the caller rotates q and the output instead: M
-        rows per layer rather than the whole context)."""
-        k, v = self.gather_pages(layer, pages, rotated)
+    def gather(self, layer: int, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's first `length` tokens, dequantized and un-rotated: k, v fp32 [Hkv, length, D]."""
+        k, v = self.gather_pages(layer, pages)
         return self.tokens(k, length), self.tokens(v, length)
 
     def gather_pages(self, layer: int, pages: torch.Tensor, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole pages, dequantized: k, v fp32 [n, Hkv, page, D]. With rotated=True (or no rotation)
-        every value is computed elementwise, so it does not depend on which other pages are read in
-        the same call: several sequences' pages can be read at once."""
+        """Whole pages, dequantized: k, v fp32 [n, Hkv, page, D]. rotated=True leaves rotated sides
+        rotated (models/attention.py rotates q and the output instead); every value is then computed
+        elementwise, so it does not depend on which other pages are read in the same call."""
         out = []
         for name, bits in (("k", self.fmt.k_bits), ("v", self.fmt.v_bits)):
             buf = {key: t[pages] for key, t in self.sides[layer][name].items()}  # [n, Hkv, page, ...]
