@@ -15,6 +15,7 @@
  * M or the other rows, so row i of an M-row call equals a 1-row call on row i bit for bit
  * (speculative decoding relies on it: a verified token must be the token plain decoding gives).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 

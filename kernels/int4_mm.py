@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels.cpu_native import native
+from lowbit.kernels import cpu_native
 
 EXACT_MIN_ROWS = 16
 _BLOCK_N = 32  # rows per tile in torch 2.13's CPU int4 packing; checked on every weight at pack time
@@ -144,7 +144,7 @@ def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.
         x = F.pad(x, (0, Kp - w.in_features))
     if not w.fused or (exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS):
         y = x.float() @ dequantize_packed_t(w)
-    elif (kernels := native()) is not None:
+    elif (kernels := cpu_native.native()) is not None:
         y = kernels.int4_mm(x.float(), w.packed, w.scale_min, w.group_size)
     else:
         y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w.packed, w.group_size,

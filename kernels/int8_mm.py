@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels.cpu_native import native
+from lowbit.kernels import cpu_native
 from lowbit.kernels.int4_mm import EXACT_MIN_ROWS
 
 _TILE_ELEMS = 1 << 22  # exact path: dequantize ~4M weights (16 MB fp32) at a time
@@ -72,7 +72,7 @@ def int8_mm(x: torch.Tensor, w: Int8Packed, exact: bool | None = None) -> torch.
         x = x.float()
         step = max(1, _TILE_ELEMS // (G * g))
         return torch.cat([F.linear(x, w.dequantize(slice(i, i + step))) for i in range(0, N, step)], dim=-1)
-    if (kernels := native()) is not None:
+    if (kernels := cpu_native.native()) is not None:
         return kernels.int8_mm(x.float(), w.qweight, w.scales)
     x = x.to(torch.bfloat16)
     if G == 1:

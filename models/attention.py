@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lowbit.kernels import cpu_native
 from lowbit.kernels.kv_write import kv_write
 from lowbit.kernels.paged_attention import batch_tensors, paged_attention
 
@@ -55,8 +56,18 @@ def _groups(pages: list[int], budget: int) -> list[tuple[int, int]]:
 
 
 class ContiguousAttention:
-    def __init__(self, cache, start, mask):
-        self.cache, self.start, self.mask = cache, start, mask
+    def __init__(self, cache, start, mask, window: int | None = None):
+        self.cache, self.start, self.mask, self.window = cache, start, mask, window
+        # one token per sequence on CPU: lowbit's C decode attention (kernels/cpu_attention.c) writes and
+        # attends in one call, in place of a slice assignment and SDPA (~80 us a layer at context 100)
+        B = cache.k.shape[1]
+        self.native = None
+        if cache.k.device.type == "cpu" and cache.k.dtype == torch.float32:
+            self.native = cpu_native.native()
+            if isinstance(start, int):
+                self.positions = torch.full((B,), start, dtype=torch.int64)
+            else:
+                self.positions = start.to(torch.int64).contiguous()
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [M, H, D], k/v [M, Hkv, D] (M = B*T) → attention output fp32 [M, H*D]."""
@@ -64,6 +75,9 @@ class ContiguousAttention:
         B = cache.k.shape[1]
         M, H, D = q.shape
         T = M // B
+        if T == 1 and self.native is not None and q.dtype == torch.float32:
+            return self.native.decode_attention(q, k, v, cache.k[layer], cache.v[layer], self.positions,
+                                                self.window).view(M, H * D)
         q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
         k = k.view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]

@@ -1,8 +1,10 @@
 """Which kernels a model runs, chosen once per model from its device (DESIGN.md, Backends).
 
     torch   CPU: lowbit's C decode kernel or torch's fused int4/int8 weight-only kernels
-            (kernels/int4_mm.py, int8_mm.py choose); the small ops are the plain-torch
-            `_ref` specs in fp32, so the CPU path is the reference arithmetic itself.
+            (kernels/int4_mm.py, int8_mm.py choose); the small ops (norm, rotary, SiLU) are
+            lowbit's C row loops where they build (kernels/cpu_block.c, within fp32 rounding of
+            the `_ref` specs; rotary exactly), else the plain-torch `_ref` specs in fp32; decode
+            steps run each block as two fused C calls around attention (kernels/cpu_block.py).
     triton  CUDA: the Triton kernels (kernels/wq_mm.py, rms_norm.py, rotary.py, silu_mul.py) with
             fp16 or bf16 activations. The tests also run it on CPU under Triton's interpreter.
 
@@ -19,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from lowbit.kernels import rms_norm, rotary, silu_mul
+from lowbit.kernels import cpu_block, rms_norm, rotary, silu_mul
 from lowbit.kernels.triton_import import HAVE_TRITON
 from lowbit.quant.linear import CPU_KERNELS, LinearKernels, triton_kernels
 
@@ -36,11 +38,14 @@ class Backend:
     rotary: Callable  # (q [M, H, D], k [M, Hkv, D], cos, sin [M, D]) → (q, k)
     silu_mul: Callable  # (gate, up [M, I]) → [M, I]
     fused_paged_attention: bool  # paged KV read by kernels (models/attention.py) or gathered by torch
+    # (dims, eps, norms, (packed weight, bias) x 4) → a block in two fused calls around attention, or None
+    # (kernels/cpu_block.py); used for steps whose matmuls all take the fast kernel
+    fused_block: Callable | None = None
 
 
 def torch_backend() -> Backend:
     return Backend("torch", torch.device("cpu"), torch.float32, CPU_KERNELS,
-                   rms_norm.add_rms_norm_ref, rotary.rotary_ref, silu_mul.silu_mul_ref, False)
+                   rms_norm.add_rms_norm_cpu, rotary.rotary_cpu, silu_mul.silu_mul_cpu, False, cpu_block.fused_block)
 
 
 def triton_backend(device: str | torch.device = "cuda", dtype: str = "float16") -> Backend:

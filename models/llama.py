@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowbit.kernels.int4_mm import EXACT_MIN_ROWS
 from lowbit.models.attention import ContiguousAttention, PagedAttention, PagedBatch
 from lowbit.models.backend import Backend, torch_backend
 from lowbit.models.config import LlamaConfig
@@ -82,6 +83,17 @@ class Block(nn.Module):
         self.wo = QuantLinear(w[prefix + "wo"], backend.linear)
         self.gate_up = Projections([w[prefix + "w_gate"], w[prefix + "w_up"]], [None, None], backend)
         self.w_down = QuantLinear(w[prefix + "w_down"], backend.linear)
+        self.fused = self._fused_block(backend)
+
+    def _fused_block(self, backend: Backend):
+        """The backend's two-call form of this block (CPU decode), when its weights allow one."""
+        if backend.fused_block is None or len(self.qkv.parts) != 1 or len(self.gate_up.parts) != 1:
+            return None
+        c = self.c
+        qkv, gate_up = self.qkv.parts[0], self.gate_up.parts[0]
+        return backend.fused_block((c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim), c.norm_eps,
+                                   self.attn_norm, self.ffn_norm, (qkv.w, qkv.bias), (self.wo.w, self.wo.bias),
+                                   (gate_up.w, gate_up.bias), (self.w_down.w, self.w_down.bias))
 
     def forward(self, delta, residual, layer: int, cos, sin, attend, exact: bool | None,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +102,14 @@ class Block(nn.Module):
         (models/attention.py). Returns (this block's output, residual)."""
         c, ops = self.c, self.ops
         M = delta.shape[0]
+        if self.fused is not None and (exact is False or (exact is None and M < EXACT_MIN_ROWS)) \
+                and self.fused.ready():
+            # every matmul on the fast kernel: the same arithmetic in two C calls (kernels/cpu_block.py)
+            qkv, residual = self.fused.pre(delta, residual, cos, sin)  # [M, (H + 2 Hkv) D]
+            q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
+            attn = attend(layer, q.view(M, c.n_heads, c.head_dim), k.view(M, c.n_kv_heads, c.head_dim),
+                          v.view(M, c.n_kv_heads, c.head_dim))  # fp32 [M, H*D]
+            return self.fused.post(attn.contiguous(), residual), residual
         h, residual = ops.add_rms_norm(delta, residual, self.attn_norm, c.norm_eps, dtype)
         q, k, v = self.qkv(h, exact)
         q, k = ops.rotary(q.view(M, c.n_heads, c.head_dim), k.view(M, c.n_kv_heads, c.head_dim), cos, sin)
@@ -144,7 +164,7 @@ class Llama(nn.Module):
             if T != 1:
                 raise ValueError("per-sequence positions take one token per sequence")
             cos, sin = rope_tables(self.inv_freq, start)  # [B, D]
-        attend = ContiguousAttention(cache, start, self._mask(T, start, cache.max_len))
+        attend = ContiguousAttention(cache, start, self._mask(T, start, cache.max_len), self.config.sliding_window)
         rows = torch.arange(T - 1, B * T, T, device=self.device) if last_only else None  # each sequence's last
         logits = self._run(tokens.reshape(-1), cos, sin, attend, rows, exact)
         return logits.view(B, 1 if last_only else T, -1)

@@ -143,16 +143,14 @@ class ByteTokenizer:
 
 @pytest.fixture(params=["c", "torch"])
 def decode_kernel(request, monkeypatch) -> str:
-    """Decode-sized CPU matmuls run lowbit's C kernel (kernels/cpu_native.py) where it builds, else
-    torch's fused bf16 kernels: a test taking this fixture runs with each, the second by hiding the
-    first."""
-    from lowbit.kernels import int4_mm, int8_mm
-    from lowbit.kernels.cpu_native import native
+    """Decode-sized CPU matmuls (and the small ops and fused blocks) run lowbit's C kernels
+    (kernels/cpu_native.py) where they build, else torch's fused bf16 kernels and the plain-torch
+    ops: a test taking this fixture runs with each, the second by hiding the first."""
+    from lowbit.kernels import cpu_native
 
     if request.param == "torch":
-        monkeypatch.setattr(int4_mm, "native", lambda: None)
-        monkeypatch.setattr(int8_mm, "native", lambda: None)
-    elif native() is None:
+        monkeypatch.setattr(cpu_native, "native", lambda: None)
+    elif cpu_native.native() is None:
         pytest.skip("the C kernels do not build here (tests/test_cpu_native.py says whether they must)")
     return request.param
 

@@ -135,3 +135,180 @@ def test_default_model_decode_is_as_close_as_fp32_sums(default_model, wikitext_e
         assert kl.mean() < 1e-7 and torch.equal(fast.argmax(-1), ref.argmax(-1)), float(kl.mean())
     else:
         assert 1e-5 < kl.mean() < 5e-3, float(kl.mean())  # bf16: close, and visibly not fp32
+
+
+# --- the small ops and the fused block (kernels/cpu_block.c, cpu_block.py) ---
+
+def test_small_ops_match_their_specs_and_rows_are_independent():
+    """add_rms_norm / rotary / silu_mul in C against the plain-torch specs: rotary exactly (the same
+    products and sums), the norm and SiLU within fp32 rounding of another summation order and expf;
+    each row of a batch equals that row done alone, bit for bit."""
+    from lowbit.kernels.rms_norm import add_rms_norm_cpu, add_rms_norm_ref
+    from lowbit.kernels.rotary import rotary_cpu, rotary_ref
+    from lowbit.kernels.silu_mul import silu_mul_cpu, silu_mul_ref
+
+    _kernels()
+    g = torch.Generator().manual_seed(3)
+    x, res, w = torch.randn(7, 100, generator=g) * 3, torch.randn(7, 100, generator=g), torch.rand(100, generator=g)
+    want, want_res = add_rms_norm_ref(x, res, w, 1e-5)
+    got, got_res = add_rms_norm_cpu(x, res.clone(), w, 1e-5)
+    assert torch.equal(got_res, want_res)  # one fp32 add per element
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-7)
+    alone = torch.cat([add_rms_norm_cpu(x[i:i + 1], res[i:i + 1].clone(), w, 1e-5)[0] for i in range(7)])
+    assert torch.equal(alone, got)
+    first, r0 = add_rms_norm_cpu(x, None, w, 1e-5)  # the first block: residual := x
+    assert torch.equal(r0, x) and r0.data_ptr() != x.data_ptr()
+    torch.testing.assert_close(first, add_rms_norm_ref(x, None, w, 1e-5)[0], rtol=4e-7, atol=1e-7)
+
+    qkv = torch.randn(5, (4 + 2 * 2) * 16, generator=g)
+    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)  # strided views, as the model passes them
+    angles = torch.rand(5, 8, generator=g) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    want_q, want_k = rotary_ref(q, k, cos, sin)
+    v_before = qkv[:, 96:].clone()
+    got_q, got_k = rotary_cpu(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert got_q.data_ptr() == q.data_ptr() and torch.equal(qkv[:, 96:], v_before)  # in place, v untouched
+
+    gu = torch.randn(6, 2 * 40, generator=g) * 4
+    gate, up = gu[:, :40], gu[:, 40:]
+    got = silu_mul_cpu(gate, up)
+    torch.testing.assert_close(got, silu_mul_ref(gate, up), rtol=4e-7, atol=1e-7)
+    assert torch.equal(torch.cat([silu_mul_cpu(gate[i:i + 1], up[i:i + 1]) for i in range(6)]), got)
+    assert torch.equal(silu_mul_cpu(torch.tensor([[-100.0, 0.0]]), torch.ones(1, 2)), torch.tensor([[-0.0, 0.0]]))
+
+
+def _tiny_model(weights: str, bias: bool = False):
+    from lowbit.models.config import LlamaConfig
+    from lowbit.models.llama import Llama
+    from lowbit.models.synthetic import random_weights
+
+    cfg = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
+                      vocab_size=80, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=64, tie_embeddings=False)
+    w = random_weights(cfg, weights, "int8-g32", seed=1)
+    if bias:  # Qwen2-style QKV biases
+        g = torch.Generator().manual_seed(2)
+        for i in range(cfg.n_layers):
+            w |= {f"layers.{i}.b{n}": torch.randn(s, generator=g) for n, s in (("q", 64), ("k", 32), ("v", 32))}
+    return Llama(cfg, w).eval()
+
+
+@pytest.mark.parametrize("weights,bias", [("int4-g32", False), ("int4-sym-g32", True), ("int8-g32", False)])
+def test_fused_block_equals_the_op_by_op_block_bit_for_bit(weights, bias):
+    """A decode step through the two fused C calls per block gives the same logits, bit for bit, as
+    the same step op by op (C small ops, C matmul): the engine runs both forms in one reply (prompt
+    rows exact and op by op, generated rows fused), so a token must not depend on which it took."""
+    from lowbit.models.llama import KVCache
+
+    _kernels()
+    model = _tiny_model(weights, bias)
+    assert all(b.fused is not None for b in model.layers)
+    ids = torch.randint(0, 80, (3, 9), generator=torch.Generator().manual_seed(0))
+
+    def steps(fused: bool) -> torch.Tensor:
+        saved = [b.fused for b in model.layers]
+        for b in model.layers:
+            b.fused = b.fused if fused else None
+        try:
+            with torch.inference_mode():
+                cache = KVCache.empty(model.config, 3, 12)
+                model(ids[:, :6], cache, 0, exact=True)
+                return torch.cat([model(ids[:, t:t + 1], cache, t, exact=False) for t in range(6, 9)], 1)
+        finally:
+            for b, f in zip(model.layers, saved):
+                b.fused = f
+
+    fused, unfused = steps(True), steps(False)
+    assert torch.equal(fused, unfused)
+    assert fused.abs().max() > 0 and torch.isfinite(fused).all()
+
+
+def test_fused_block_declines_layouts_it_does_not_read():
+    """Float weights (torch multiplies them) and an N that int4's 16-row padding would change get the
+    op-by-op block, not a wrong fused one."""
+    from lowbit.models.config import LlamaConfig
+    from lowbit.models.llama import Llama
+    from lowbit.models.synthetic import random_weights
+
+    _kernels()
+    assert all(b.fused is None for b in _tiny_model("bf16").layers)
+    cfg = LlamaConfig(arch="llama", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=40,
+                      vocab_size=80, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=64, tie_embeddings=False)
+    assert Llama(cfg, random_weights(cfg, "int4-g32", "int8-g32")).layers[0].fused is None  # down: K = 40
+
+
+def test_fused_block_refuses_bad_inputs():
+    _kernels()
+    block = _tiny_model("int4-g32").layers[0].fused
+    cos = sin = torch.ones(2, 16)
+    with pytest.raises(ValueError, match="delta must be contiguous fp32"):
+        block.pre(torch.randn(2, 64).double(), None, cos, sin)
+    with pytest.raises(ValueError, match="cos must be"):
+        block.pre(torch.randn(2, 64), None, torch.ones(3, 16), sin)
+    with pytest.raises(ValueError, match="attn must be"):
+        block.post(torch.randn(2, 60), torch.randn(2, 64))
+
+
+# --- decode attention over the contiguous cache (kernels/cpu_attention.c) ---
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_matches_sdpa(window):
+    """One query per sequence, each at its own position, GQA 6/2 heads, q/k/v as strided views of one
+    QKV row: K/V land in the cache at the position, the output matches SDPA over keys 0..pos (the last
+    `window` of them) to fp32 rounding, and each sequence's result equals its result alone."""
+    import torch.nn.functional as F
+
+    k_ = _kernels()
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, D, S = 3, 6, 2, 16, 20
+    cache_k, cache_v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g)
+    q = qkv[:, :H * D].view(B, H, D)
+    k, v = qkv[:, H * D:(H + Hkv) * D].view(B, Hkv, D), qkv[:, (H + Hkv) * D:].view(B, Hkv, D)
+    pos = torch.tensor([0, 7, 19])
+    ck, cv = cache_k.clone(), cache_v.clone()
+    out = k_.decode_attention(q, k, v, ck, cv, pos, window)
+    for b in range(B):
+        p = int(pos[b])
+        assert torch.equal(ck[b, :, p], k[b]) and torch.equal(cv[b, :, p], v[b])
+        assert torch.equal(ck[b, :, p + 1:], cache_k[b, :, p + 1:]) and torch.equal(ck[b, :, :p], cache_k[b, :, :p])
+        first = 0 if window is None else max(0, p - window + 1)
+        want = F.scaled_dot_product_attention(q[b][:, None], ck[b, :, first:p + 1], cv[b, :, first:p + 1],
+                                              enable_gqa=True)[:, 0]  # [H, D]
+        torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-6)
+        alone = k_.decode_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], ck[b:b + 1].clone(), cv[b:b + 1].clone(),
+                                    pos[b:b + 1], window)
+        assert torch.equal(alone[0], out[b])
+    with pytest.raises(ValueError, match="outside the cache"):
+        k_.decode_attention(q, k, v, ck, cv, torch.tensor([0, 7, 20]), window)
+
+
+@pytest.mark.parametrize("start", [9, "per-sequence"])
+def test_contiguous_attention_takes_the_c_path_as_sdpa_does(start):
+    """models/attention.py's ContiguousAttention with the C decode attention against the same object
+    with it switched off (slice assignment + SDPA): same cache contents, outputs within fp32 rounding
+    — an int start and per-sequence positions, a layer other than 0."""
+    from lowbit.models.attention import ContiguousAttention
+    from lowbit.models.llama import KVCache
+
+    _kernels()
+    g = torch.Generator().manual_seed(7)
+    cfg = _tiny_model("int4-g32").config
+    B, H, Hkv, D = 2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    pos = 9 if start == 9 else torch.tensor([3, 11])
+    mask = None if start == 9 else (torch.arange(16)[None, :] <= pos[:, None])[:, None, None, :]
+    caches, outs = [], []
+    for use_c in (True, False):
+        cache = KVCache.empty(cfg, B, 16)
+        cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator().manual_seed(2)))
+        attend = ContiguousAttention(cache, pos, mask)
+        assert attend.native is not None
+        if not use_c:
+            attend.native = None
+        g.manual_seed(3)
+        q, k, v = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+        outs.append(attend(1, q, k, v))
+        caches.append(cache)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)

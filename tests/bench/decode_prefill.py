@@ -69,14 +69,14 @@ def lowbit_decode(lm, prompt, n) -> float:
 
 
 def lowbit_decode_torch_kernels(lm, prompt, n) -> float:
-    """lowbit_decode with torch's fused bf16 kernels in place of the C kernel."""
-    from lowbit.kernels import int4_mm, int8_mm
-    saved = int4_mm.native, int8_mm.native
-    int4_mm.native = int8_mm.native = lambda: None
+    """lowbit_decode with torch's fused bf16 kernels and plain-torch small ops in place of the C kernels."""
+    from lowbit.kernels import cpu_native
+    saved = cpu_native.native
+    cpu_native.native = lambda: None
     try:
         return lowbit_decode(lm, prompt, n)
     finally:
-        int4_mm.native, int8_mm.native = saved
+        cpu_native.native = saved
 
 
 def lowbit_verified(lm, prompt, n) -> tuple[float, int]:

@@ -1,0 +1,157 @@
+/* The small per-row ops of a Llama block on CPU (add + RMS norm, rotary, SiLU * up), and the two
+ * fused halves of a decode step's block built from them and the matmuls of cpu_wq_mm.c:
+ *
+ *   lowbit_block_pre:  residual += delta; h = norm(residual); qkv = h @ Wqkv^T (+ b); rotary(q, k)
+ *   lowbit_block_post: o = attn @ Wo^T; residual += o; h = norm(residual);
+ *                      gu = h @ Wgu^T; delta = (silu(gate) * up) @ Wdown^T
+ *
+ * Why: a decode step of the default model ran ~130 small torch ops per layer (~24 of its ~38 ms per
+ * token went to them and their Python, not to the matmuls); the two calls replace all of them but
+ * attention (kernels/cpu_native.py has the measurements). The standalone ops are the very functions
+ * the fused calls run, so a row computed by the fused path equals, bit for bit, the row the unfused
+ * path gives (the engine mixes both in one step: prompt rows exact, generated rows fast).
+ *
+ * Every op works row by row in an order fixed by this code: a row's result never depends on the
+ * other rows of the call (speculative verification and batching rely on it).
+ * Built with cpu_wq_mm.c into one library (kernels/cpu_native.py); -std=c11 keeps GCC from
+ * contracting a*b + c into FMAs, so rotary equals the fp32 torch reference exactly.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int lowbit_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sm, int64_t P,
+                   int64_t Np, int64_t gs, float *xs, float *y, int nthreads);
+int lowbit_int8_mm(const float *x, int64_t M, int64_t G, int64_t N, int64_t g, const int8_t *q, const void *scales,
+                   int scale_f32, float *y, int nthreads);
+
+/* One weight as its C kernel reads it (kernels/cpu_native.py fills it from Int4Packed/Int8Packed). */
+typedef struct {
+    int64_t kind;   /* 1: int4, torch's CPU tile layout; 2: int8, group-major [G, N, g] */
+    int64_t N;      /* output features (int4: a multiple of 16, no padding rows) */
+    int64_t K;      /* input features (a whole number of groups, no padding columns) */
+    int64_t group;  /* int4: group size; int8: g */
+    int64_t P;      /* int4: 2 (scale, min) pairs or 1 (scale); int8: 1 if the scales are fp32, 0 if fp16 */
+    const void *codes;
+    const void *scales;
+    const float *bias;  /* fp32 [N] or NULL */
+} lowbit_linear;
+
+/* y [M, N] = x [M, K] @ W^T (+ bias). */
+int lowbit_linear_mm(const lowbit_linear *w, const float *x, int64_t M, float *y, int nthreads) {
+    int rc;
+    if (w->kind == 1) {
+        float *xs = malloc(sizeof(float) * (size_t)(M * (w->K / w->group) + 1));
+        if (!xs) return -2;
+        rc = lowbit_int4_mm(x, M, w->K, w->codes, w->scales, w->P, w->N, w->group, xs, y, nthreads);
+        free(xs);
+    } else if (w->kind == 2) {
+        rc = lowbit_int8_mm(x, M, w->K / w->group, w->N, w->group, w->codes, w->scales, (int)w->P, y, nthreads);
+    } else {
+        return -1;
+    }
+    if (rc == 0 && w->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < w->N; n++) y[m * w->N + n] += w->bias[n];
+    return rc;
+}
+
+/* Per row m: r = res[m] + x[m] (r = x[m] when !has_res), res[m] = r, out[m] = r * rstd * w with
+ * rstd = 1 / sqrt(mean(r^2) + eps). x rows are sx floats apart; res and out are [M, D]. The sum of
+ * squares runs in 8 fixed lanes, then lane 0..7 in order. */
+void lowbit_add_rms_norm(const float *x, int64_t sx, float *res, int has_res, const float *w, float eps,
+                         int64_t M, int64_t D, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * sx;
+        float *r = res + m * D, *o = out + m * D;
+        float lanes[8] = {0};
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8)
+            for (int l = 0; l < 8; l++) {
+                const float v = has_res ? r[d + l] + xr[d + l] : xr[d + l];
+                r[d + l] = v;
+                lanes[l] += v * v;
+            }
+        float ss = 0.0f;
+        for (; d < D; d++) {
+            const float v = has_res ? r[d] + xr[d] : xr[d];
+            r[d] = v;
+            ss += v * v;
+        }
+        for (int l = 0; l < 8; l++) ss += lanes[l];
+        const float rstd = 1.0f / sqrtf(ss / (float)D + eps);
+        for (d = 0; d < D; d++) o[d] = r[d] * rstd * w[d];
+    }
+}
+
+/* Rotate-half rotary in place on x [M, H, D] (rows sm floats apart, heads sh apart), cos/sin fp32
+ * [M, D] with equal halves: x1' = x1 c - x2 s, x2' = x2 c + x1 s (the fp32 reference's arithmetic). */
+void lowbit_rotary(float *x, int64_t M, int64_t H, int64_t sm, int64_t sh, int64_t D, const float *cos,
+                   const float *sin) {
+    const int64_t half = D / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos + m * D, *s = sin + m * D;
+        for (int64_t h = 0; h < H; h++) {
+            float *p = x + m * sm + h * sh;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = p[i], x2 = p[i + half];
+                p[i] = x1 * c[i] - x2 * s[i];
+                p[i + half] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* out [M, I] = silu(gate) * up; gate and up rows are sg and su floats apart. */
+void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I, float *out) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = gate[m * sg + i];
+            out[m * I + i] = g / (1.0f + expf(-g)) * up[m * su + i];
+        }
+}
+
+/* The shapes of one block; the weights are the lowbit_linear descriptors. */
+typedef struct {
+    int64_t dim, n_heads, n_kv_heads, head_dim, hidden;
+    float eps;
+    const float *attn_norm, *ffn_norm;  /* fp32 [dim] */
+    lowbit_linear qkv, o, gate_up, down;  /* qkv: [(H + 2 Hkv) D, dim]; gate_up: [2 hidden, dim] */
+} lowbit_block;
+
+/* delta [M, dim] (the previous block's output), residual [M, dim] (in/out; has_res = 0 for the first
+ * block: residual := delta), cos/sin [M, D] → qkv [M, (H + 2 Hkv) D], q and k rotated. */
+int lowbit_block_pre(const lowbit_block *b, int64_t M, const float *delta, float *residual, int has_res,
+                     const float *cos, const float *sin, float *qkv, int nthreads) {
+    float *h = malloc(sizeof(float) * (size_t)(M * b->dim));
+    if (!h) return -2;
+    lowbit_add_rms_norm(delta, b->dim, residual, has_res, b->attn_norm, b->eps, M, b->dim, h);
+    const int rc = lowbit_linear_mm(&b->qkv, h, M, qkv, nthreads);
+    free(h);
+    if (rc) return rc;
+    const int64_t D = b->head_dim, row = (b->n_heads + 2 * b->n_kv_heads) * D;
+    lowbit_rotary(qkv, M, b->n_heads, row, D, D, cos, sin);
+    lowbit_rotary(qkv + b->n_heads * D, M, b->n_kv_heads, row, D, D, cos, sin);
+    return 0;
+}
+
+/* attn [M, H D] (attention's output), residual [M, dim] (in/out) → delta [M, dim]. */
+int lowbit_block_post(const lowbit_block *b, int64_t M, const float *attn, float *residual, float *delta,
+                      int nthreads) {
+    const int64_t I = b->hidden;
+    float *buf = malloc(sizeof(float) * (size_t)(M * (2 * b->dim + 3 * I)));
+    if (!buf) return -2;
+    float *o = buf, *h = o + M * b->dim, *gu = h + M * b->dim, *a = gu + M * 2 * I;
+    int rc = lowbit_linear_mm(&b->o, attn, M, o, nthreads);
+    if (rc == 0) {
+        lowbit_add_rms_norm(o, b->dim, residual, 1, b->ffn_norm, b->eps, M, b->dim, h);
+        rc = lowbit_linear_mm(&b->gate_up, h, M, gu, nthreads);
+    }
+    if (rc == 0) {
+        lowbit_silu_mul(gu, 2 * I, gu + I, 2 * I, M, I, a);
+        rc = lowbit_linear_mm(&b->down, a, M, delta, nthreads);
+    }
+    free(buf);
+    return rc;
+}

@@ -1,0 +1,116 @@
+"""One Llama block of a decode-sized step in two C calls (kernels/cpu_block.c), around attention:
+
+    pre:  residual += delta; h = rms_norm(residual); qkv = h @ Wqkv^T (+ b); rotary on q, k
+    post: residual += attn @ Wo^T; h = rms_norm(residual); delta = (silu(h Wg^T) * (h Wu^T)) @ Wd^T
+
+Why: on CPU a single-token step of the default model ran ~130 small torch ops per layer, and their
+dispatch and Python took ~24 of the ~38 ms a token cost — more than the matmuls (~16 ms). The two
+calls run the same C functions as the CPU backend's standalone ops (kernels/rms_norm.py, rotary.py,
+silu_mul.py `*_cpu`) and the same matmul kernel as a fast QuantLinear, so a row computed here equals,
+bit for bit, the row the unfused path computes; the model uses this form only for steps whose
+matmuls are all on the fast kernel (models/llama.py).
+
+Taken only where the C kernels build and every weight of the block is in a layout they read
+whole: int4 in torch's tile layout, int8 group-major, with no padding rows or columns and
+QKV and gate/up each fused into one matrix (what the default model's GGUF gives); otherwise
+`fused_block` returns None and the block runs op by op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.kernels import cpu_native
+from lowbit.kernels.int4_mm import Int4Packed
+from lowbit.kernels.int8_mm import Int8Packed
+
+
+def _linear(w, bias: torch.Tensor | None) -> "cpu_native._Linear | None":
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    b = bias.data_ptr() if bias is not None else None
+    if isinstance(w, Int4Packed):
+        Np, Kp = w.padded_shape
+        if not w.fused or Np != w.out_features or Kp != w.in_features:
+            return None
+        return cpu_native._Linear(1, Np, Kp, w.group_size, w.scale_min.shape[2], w.packed.data_ptr(),
+                                  w.scale_min.data_ptr(), b)
+    if isinstance(w, Int8Packed):
+        G, N, g = w.qweight.shape
+        if G * g != w.in_features or tuple(w.scales.shape) != (N, G) or \
+                w.scales.dtype not in (torch.float16, torch.float32):
+            return None
+        return cpu_native._Linear(2, N, G * g, g, int(w.scales.dtype == torch.float32), w.qweight.data_ptr(),
+                                  w.scales.data_ptr(), b)
+    return None
+
+
+class FusedBlock:
+    """A block's descriptor and the tensors it points into (held so the pointers stay valid)."""
+
+    def __init__(self, desc: "cpu_native._Block", held: list):
+        self.desc, self.held = desc, held
+        d = desc
+        self.dim, self.width = d.dim, (d.n_heads + 2 * d.n_kv_heads) * d.head_dim
+
+    @staticmethod
+    def ready() -> bool:
+        """Whether the C kernels are there now (tests and benchmarks hide them to run torch's)."""
+        return cpu_native.native() is not None
+
+    def pre(self, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """delta fp32 [M, dim], residual fp32 [M, dim] (updated in place) or None (first block), cos/sin
+        fp32 [M, D] → (qkv fp32 [M, (H + 2 Hkv) D] with q and k rotated, residual)."""
+        M = delta.shape[0]
+        _check("delta", delta, (M, self.dim))
+        has_res = residual is not None
+        if has_res:
+            _check("residual", residual, (M, self.dim))
+        else:
+            residual = torch.empty(M, self.dim)
+        for name, t in (("cos", cos), ("sin", sin)):
+            _check(name, t, (M, self.desc.head_dim))
+        qkv = torch.empty(M, self.width)
+        rc = cpu_native.native().block_pre(self.desc, M, delta, residual, has_res, cos, sin, qkv)
+        if rc:
+            raise RuntimeError(f"cpu fused block (pre) failed with status {rc}")
+        return qkv, residual
+
+    def post(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn fp32 [M, H D], residual fp32 [M, dim] (updated in place) → delta fp32 [M, dim]."""
+        M = attn.shape[0]
+        _check("attn", attn, (M, self.desc.n_heads * self.desc.head_dim))
+        _check("residual", residual, (M, self.dim))
+        delta = torch.empty(M, self.dim)
+        rc = cpu_native.native().block_post(self.desc, M, attn, residual, delta)
+        if rc:
+            raise RuntimeError(f"cpu fused block (post) failed with status {rc}")
+        return delta
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"cpu fused block: {name} must be contiguous fp32 {list(shape)} on CPU, got "
+                         f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+
+
+def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
+                qkv: tuple, o: tuple, gate_up: tuple, down: tuple) -> FusedBlock | None:
+    """dims = (dim, n_heads, n_kv_heads, head_dim, hidden); norms fp32 [dim]; each weight a (packed
+    layout, fp32 bias or None) pair, QKV and gate/up already fused along N → a FusedBlock, or None
+    when the C kernels are not built or a weight is in a layout they do not read whole."""
+    if cpu_native.native() is None:
+        return None
+    dim, H, Hkv, D, hidden = dims
+    linears = [_linear(*p) for p in (qkv, o, gate_up, down)]
+    shapes = [((H + 2 * Hkv) * D, dim), (dim, H * D), (2 * hidden, dim), (dim, hidden)]
+    if any(l is None or (l.N, l.K) != s for l, s in zip(linears, shapes)):
+        return None
+    for t in (attn_norm, ffn_norm):
+        if t.dtype != torch.float32 or t.shape != (dim,) or not t.is_contiguous():
+            return None
+    desc = cpu_native._Block(dim, H, Hkv, D, hidden, eps, attn_norm.data_ptr(), ffn_norm.data_ptr(), *linears)
+    held = [attn_norm, ffn_norm] + [t for w, b in (qkv, o, gate_up, down) for t in (*vars(w).values(), b)
+                                    if isinstance(t, torch.Tensor)]
+    return FusedBlock(desc, held)
