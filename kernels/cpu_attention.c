@@ -83,6 +83,120 @@ int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const fl
     return failed ? -2 : 0;
 }
 
+/* One side (K or V) of one layer of the paged pool (runtime/kv_cache.py), as stored: bits 16: fp16
+ * data [P, Hkv, page, D]; 8: int8 codes [P, Hkv, page, D], fp16 scales [P, Hkv, page, D/group] (x = d q);
+ * 4: uint8 codes [P, Hkv, page, D/2] (low nibble first), fp16 scales and mins [P, Hkv, page, D/group]
+ * (x = d u + m). */
+typedef struct {
+    int64_t bits, group;
+    const void *codes;
+    const uint16_t *scales, *mins;
+} lowbit_kv_side;
+
+/* Token vector `t` (page-major index (page * Hkv + h) * page_size + slot) of one side → fp32 x[D]. */
+static inline void kv_vector(const lowbit_kv_side *s, int64_t t, int64_t D, float *x) {
+    if (s->bits == 16) {
+        const uint16_t *h = (const uint16_t *)s->codes + t * D;
+        for (int64_t d = 0; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(x + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
+        return;
+    }
+    const int64_t G = D / s->group;
+    for (int64_t g = 0; g < G; g++) {
+        const float d = _cvtsh_ss(s->scales[t * G + g]);
+        const int64_t k0 = g * s->group;
+        if (s->bits == 8) {
+            const int8_t *c = (const int8_t *)s->codes + t * D + k0;
+            for (int64_t k = 0; k < s->group; k++) x[k0 + k] = d * (float)c[k];
+        } else {
+            const uint8_t *c = (const uint8_t *)s->codes + (t * D + k0) / 2;
+            const float m = _cvtsh_ss(s->mins[t * G + g]);
+            for (int64_t k = 0; k < s->group; k += 2) {
+                x[k0 + k] = d * (float)(c[k / 2] & 15) + m;
+                x[k0 + k + 1] = d * (float)(c[k / 2] >> 4) + m;
+            }
+        }
+    }
+}
+
+/* y[D] = x[D] @ R (transposed: x @ R^T) for the KV rotation R fp32 [D, D]. */
+static void rotate(const float *x, const float *R, int64_t D, int transposed, float *y) {
+    for (int64_t j = 0; j < D; j++) y[j] = 0.0f;
+    if (transposed) {
+        for (int64_t j = 0; j < D; j++) y[j] = dot(x, R + j * D, D);
+        return;
+    }
+    for (int64_t i = 0; i < D; i++)
+        for (int64_t j = 0; j < D; j++) y[j] += x[i] * R[i * D + j];
+}
+
+/* Decode attention straight from the paged, quantized pool: R query rows, each one token of its
+ * sequence seeing the first ctx[r] tokens of it (its own included; the last `window` if window > 0).
+ * q [R, H, D] (rows sq floats apart); row r's page ids are tables[toff[r] ...]; rot fp32 [D, D] when
+ * both sides are stored rotated (q is rotated, the output rotated back) or NULL → out fp32 [R, H, D].
+ * Work items are (row, KV head): each key and value vector is dequantized once for the H / Hkv query
+ * heads that read it. Returns 0, -1 for bad shapes, -2 for a failed allocation. */
+int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
+                                  const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
+                                  const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
+                                  int64_t window, float scale, float *out, int nthreads) {
+    if (H % Hkv || D % 8) return -1;
+    const int64_t grp = H / Hkv;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads) reduction(| : failed)
+    for (int64_t item = 0; item < R * Hkv; item++) {
+        const int64_t r = item / Hkv, kvh = item % Hkv, last = ctx[r] - 1;
+        const int64_t first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0, n = last - first + 1;
+        float *buf = malloc(sizeof(float) * (size_t)(n * grp + (2 * grp + 2) * D));
+        if (!buf || n < 1) {
+            failed = 1;
+            free(buf);
+            continue;
+        }
+        float *p = buf, *qr = p + n * grp, *o = qr + grp * D, *x = o + grp * D, *y = x + D;
+        for (int64_t j = 0; j < grp; j++) {
+            const float *qh = q + r * sq + (kvh * grp + j) * D;
+            if (rot) rotate(qh, rot, D, 0, qr + j * D);
+            else for (int64_t d = 0; d < D; d++) qr[j * D + d] = qh[d];
+        }
+        const int64_t *table = tables + toff[r];
+        for (int64_t t = first; t <= last; t++) {
+            kv_vector(ks, (table[t / page_size] * Hkv + kvh) * page_size + t % page_size, D, x);
+            for (int64_t j = 0; j < grp; j++) p[j * n + t - first] = dot(qr + j * D, x, D) * scale;
+        }
+        float sum[grp];
+        for (int64_t j = 0; j < grp; j++) {
+            float mx = -INFINITY, *pj = p + j * n;
+            for (int64_t i = 0; i < n; i++) mx = pj[i] > mx ? pj[i] : mx;
+            sum[j] = 0.0f;
+            for (int64_t i = 0; i < n; i++) {
+                pj[i] = expf(pj[i] - mx);
+                sum[j] += pj[i];
+            }
+        }
+        for (int64_t i = 0; i < grp * D; i++) o[i] = 0.0f;
+        for (int64_t t = first; t <= last; t++) {
+            kv_vector(vs, (table[t / page_size] * Hkv + kvh) * page_size + t % page_size, D, x);
+            for (int64_t j = 0; j < grp; j++) {
+                const __m256 pj = _mm256_set1_ps(p[j * n + t - first]);
+                float *oj = o + j * D;
+                for (int64_t d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(oj + d, _mm256_fmadd_ps(pj, _mm256_loadu_ps(x + d), _mm256_loadu_ps(oj + d)));
+            }
+        }
+        for (int64_t j = 0; j < grp; j++) {
+            float *oj = o + j * D, *dst = out + (r * H + kvh * grp + j) * D;
+            const float inv = 1.0f / sum[j];
+            for (int64_t d = 0; d < D; d++) oj[d] *= inv;
+            if (rot) rotate(oj, rot, D, 1, y);
+            for (int64_t d = 0; d < D; d++) dst[d] = rot ? y[d] : oj[d];
+        }
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}
+
 #else
 int lowbit_decode_attention(void) { return -1; }
+int lowbit_paged_decode_attention(void) { return -1; }
 #endif

@@ -26,6 +26,11 @@ int lowbit_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *packed, 
 int lowbit_int8_mm(const float *x, int64_t M, int64_t G, int64_t N, int64_t g, const int8_t *q, const void *scales,
                    int scale_f32, float *y, int nthreads);
 
+/* Row loops of at least this many elements run on OpenMP's threads (torch's count: one libgomp); a row
+ * is one thread's work either way, so results do not depend on it. Decode rows (M < 16) stay on one
+ * thread: waking the others costs more than the loop (576-wide norm: ~1 us). */
+#define PARALLEL_MIN 65536
+
 /* One weight as its C kernel reads it (kernels/cpu_native.py fills it from Int4Packed/Int8Packed). */
 typedef struct {
     int64_t kind;   /* 1: int4, torch's CPU tile layout; 2: int8, group-major [G, N, g] */
@@ -62,6 +67,7 @@ int lowbit_linear_mm(const lowbit_linear *w, const float *x, int64_t M, float *y
  * squares runs in 8 fixed lanes, then lane 0..7 in order. */
 void lowbit_add_rms_norm(const float *x, int64_t sx, float *res, int has_res, const float *w, float eps,
                          int64_t M, int64_t D, float *out) {
+#pragma omp parallel for schedule(static) if (M * D >= PARALLEL_MIN)
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * sx;
         float *r = res + m * D, *o = out + m * D;
@@ -90,6 +96,7 @@ void lowbit_add_rms_norm(const float *x, int64_t sx, float *res, int has_res, co
 void lowbit_rotary(float *x, int64_t M, int64_t H, int64_t sm, int64_t sh, int64_t D, const float *cos,
                    const float *sin) {
     const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) if (M * H * D >= PARALLEL_MIN)
     for (int64_t m = 0; m < M; m++) {
         const float *c = cos + m * D, *s = sin + m * D;
         for (int64_t h = 0; h < H; h++) {
@@ -105,6 +112,7 @@ void lowbit_rotary(float *x, int64_t M, int64_t H, int64_t sm, int64_t sh, int64
 
 /* out [M, I] = silu(gate) * up; gate and up rows are sg and su floats apart. */
 void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I, float *out) {
+#pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN)
     for (int64_t m = 0; m < M; m++)
         for (int64_t i = 0; i < I; i++) {
             const float g = gate[m * sg + i];

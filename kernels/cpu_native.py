@@ -70,6 +70,12 @@ class _Block(ctypes.Structure):
                 ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
 
 
+class _KVSide(ctypes.Structure):
+    """cpu_attention.c's lowbit_kv_side: one side of one layer of the paged pool."""
+    _fields_ = [("bits", ctypes.c_int64), ("group", ctypes.c_int64), ("codes", ctypes.c_void_p),
+                ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
+
+
 class NativeKernels:
     """The loaded library; methods check shapes, allocate the output and call in."""
 
@@ -87,6 +93,9 @@ class NativeKernels:
         lib.lowbit_block_post.argtypes = [blk, i64, ptr, ptr, ptr, ctypes.c_int]
         lib.lowbit_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
                                                 ptr, i64, f32, ptr, ctypes.c_int]
+        side = ctypes.POINTER(_KVSide)
+        lib.lowbit_paged_decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, side, side,
+                                                      ptr, i64, f32, ptr, ctypes.c_int]
 
     def int4_mm(self, x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, group_size: int) -> torch.Tensor:
         """x fp32 [M, Kp]; packed uint8 (torch 2.13's CPU tile layout of [Np, Kp] codes);
@@ -199,6 +208,46 @@ class NativeKernels:
             raise ValueError("cpu decode attention: a position outside the cache" if rc == -1 else
                              "cpu decode attention: out of memory")
         return out
+
+
+    def paged_decode_attention(self, q: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, toff: torch.Tensor,
+                               page_size: int, k_side: tuple[int, int, dict], v_side: tuple[int, int, dict],
+                               rot: torch.Tensor | None, window: int | None) -> torch.Tensor:
+        """One query token per row over the paged pool (cpu_attention.c): q fp32 [R, H, D] (heads
+        contiguous), ctx int64 [R] keys seen per row, row r's page ids at tables[toff[r]:] (int64),
+        each side (bits, group, the pool's tensors of one layer: "data" | "codes", "scales"[, "mins"]),
+        rot fp32 [D, D] when both sides are stored rotated → fp32 [R, H, D]."""
+        R, H, D = q.shape
+        sides = [self._side(*s, D) for s in (k_side, v_side)]
+        Hkv = next(iter(k_side[2].values())).shape[1]
+        ok = q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == D and H % Hkv == 0 and D % 8 == 0 \
+            and all(t.dtype == torch.int64 and t.is_contiguous() for t in (ctx, tables, toff)) \
+            and ctx.shape == toff.shape == (R,) and (rot is None or (rot.shape == (D, D) and rot.is_contiguous()
+                                                                     and rot.dtype == torch.float32))
+        if not ok:
+            raise ValueError(f"cpu paged decode attention: unsupported input q {tuple(q.shape)} {q.dtype}")
+        out = torch.empty(R, H, D)
+        rc = self.lib.lowbit_paged_decode_attention(
+            q.data_ptr(), q.stride(0), R, H, Hkv, D, ctx.data_ptr(), tables.data_ptr(), toff.data_ptr(), page_size,
+            ctypes.byref(sides[0]), ctypes.byref(sides[1]), None if rot is None else rot.data_ptr(), window or 0,
+            D ** -0.5, out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise ValueError(f"cpu paged decode attention failed (status {rc})")
+        return out
+
+    @staticmethod
+    def _side(bits: int, group: int, t: dict, D: int) -> _KVSide:
+        if bits == 16:
+            ok = t["data"].dtype == torch.float16 and t["data"].is_contiguous()
+            side = _KVSide(16, D, t["data"].data_ptr(), None, None)
+        else:
+            ok = all(x.is_contiguous() for x in t.values()) and t["scales"].dtype == torch.float16 \
+                and t["scales"].shape[-1] * group == D and group % 2 == 0
+            side = _KVSide(bits, group, t["codes"].data_ptr(), t["scales"].data_ptr(),
+                           t["mins"].data_ptr() if bits == 4 else None)
+        if not ok or bits not in (4, 8, 16):
+            raise ValueError(f"cpu paged decode attention: unsupported {bits}-bit cache side")
+        return side
 
 
 def _check(M: int, x: torch.Tensor, shapes_ok: bool) -> None:

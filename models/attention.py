@@ -118,21 +118,54 @@ class PagedAttention:
             self.tensors = batch_tensors(batch.query_lens, batch.context_lens, batch.block_tables,
                                          batch.positions.device)  # once per step, not per layer
         else:
-            budget = 1 if pool.rot is not None and self.rot is None else GATHER_PAGES
-            self.groups = _groups([len(t) for t in batch.block_tables], budget)
+            self._plan(batch, pool)
+
+    def _plan(self, batch: PagedBatch, pool) -> None:
+        """CPU: which query rows lowbit's C kernel attends straight from the quantized pages
+        (kernels/cpu_attention.c: every row that is one token's query — a decode step, or a
+        speculative row attended one by one — when the C kernels are built), and the groups of the
+        other sequences, whose pages are read and dequantized together for SDPA, once per step."""
+        one_by_one = batch.one_by_one or [False] * len(batch.query_lens)
+        starts = [0]
+        for n in batch.query_lens:
+            starts.append(starts[-1] + n)
+        self.native = cpu_native.native() if pool.rot is None or self.rot is not None else None
+        by_c = [self.native is not None and (n == 1 or one) for n, one in zip(batch.query_lens, one_by_one)]
+        self.rows = [(i, starts[i]) for i in range(len(by_c)) if not by_c[i]]  # (sequence, first row), SDPA
+        budget = 1 if pool.rot is not None and self.rot is None else GATHER_PAGES
+        self.groups = _groups([len(batch.block_tables[i]) for i, _ in self.rows], budget)
+        self.c_rows = None
+        if any(by_c):
+            rows, ctx, toff, tables, off = [], [], [], [], 0
+            for i, c in enumerate(by_c):
+                if not c:
+                    continue
+                n, length = batch.query_lens[i], batch.context_lens[i]
+                rows += range(starts[i], starts[i] + n)
+                ctx += [length - n + j + 1 for j in range(n)]  # keys up to and including the row's token
+                toff += [off] * n
+                tables.append(batch.block_tables[i])
+                off += len(batch.block_tables[i])
+            self.c_rows = torch.tensor(rows)
+            self.c_args = (torch.tensor(ctx), torch.cat(tables).to(torch.int64).cpu(), torch.tensor(toff))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [M, H, D], k/v [M, Hkv, D] → fp32 [M, H*D]."""
         if self.fused:
             return self._fused(layer, q, k, v)
-        b = self.batch
-        self.pool.write(layer, k, v, b.slots)
+        b, pool = self.batch, self.pool
+        pool.write(layer, k, v, b.slots)
         M, H, D = q.shape
         out = torch.empty(M, H, D, dtype=torch.float32, device=q.device)
-        row = 0
+        if self.c_rows is not None:
+            fmt, sides = pool.fmt, pool.sides[layer]
+            out[self.c_rows] = self.native.paged_decode_attention(
+                q[self.c_rows].float(), *self.c_args, pool.page_size,
+                (fmt.k_bits, fmt.group(fmt.k_bits, fmt.k_group, D), sides["k"]),
+                (fmt.v_bits, fmt.group(fmt.v_bits, fmt.v_group, D), sides["v"]), self.rot, self.window)
         one_by_one = b.one_by_one or [False] * len(b.query_lens)
         for start, end in self.groups:
-            for i, (keys, values) in enumerate(self._read(layer, start, end), start):  # [Hkv, ctx, D]
+            for (i, row), (keys, values) in zip(self.rows[start:end], self._read(layer, start, end)):  # [Hkv, ctx, D]
                 n, ctx = b.query_lens[i], b.context_lens[i]
                 if one_by_one[i]:
                     # SDPA's CPU kernels (and the GEMMs of the rotation) differ in the last bits between
@@ -145,17 +178,18 @@ class PagedAttention:
                                                     b.positions[row + j:row + j + 1])[0]
                 else:
                     out[row:row + n] = self._attend(q[row:row + n], keys, values, b.positions[row:row + n])
-                row += n
         return out.reshape(M, H * D)
 
     def _read(self, layer: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Keys and values [Hkv, ctx, D] of sequences start..end-1, from one read of their pages."""
+        """Keys and values [Hkv, ctx, D] of the SDPA sequences self.rows[start:end], from one read of
+        their pages."""
         b, pool = self.batch, self.pool
-        tables = b.block_tables[start:end]
+        seqs = [i for i, _ in self.rows[start:end]]
+        tables = [b.block_tables[i] for i in seqs]
         k, v = pool.gather_pages(layer, torch.cat(tables), rotated=self.rot is not None)  # [pages, Hkv, page, D]
         sizes = [len(t) for t in tables]
-        return [(pool.tokens(ks, c), pool.tokens(vs, c))
-                for ks, vs, c in zip(k.split(sizes), v.split(sizes), b.context_lens[start:end])]
+        return [(pool.tokens(ks, b.context_lens[i]), pool.tokens(vs, b.context_lens[i]))
+                for ks, vs, i in zip(k.split(sizes), v.split(sizes), seqs)]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One sequence's queries q [n, H, D] over its (rotated, if self.rot) keys/values → [n, H, D].

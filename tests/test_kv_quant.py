@@ -79,11 +79,16 @@ def test_unknown_format_and_empty_budget_are_clear_errors():
 
 
 @pytest.mark.parametrize("name", ["f16", "k8v4", "k4v4"])
-def test_sequences_read_together_attend_as_they_do_alone(name, monkeypatch):
+def test_sequences_read_together_attend_as_they_do_alone(name, monkeypatch, decode_kernel):
     """PagedAttention reads several sequences' pages in one gather (up to GATHER_PAGES pages): each
     sequence's output equals, bit for bit, a step that holds that sequence alone — with the page
     budget set so that reads split between sequences (2 and 3 of them), and with one sequence larger
-    than the budget on its own."""
+    than the budget on its own. With the C kernels, the one-token rows are attended in C straight
+    from the pages and the others are read as before; without them, all are read."""
+    _paged_step_case(name, monkeypatch, together=True)
+
+
+def _paged_step_case(name, monkeypatch, together: bool, window=None, one_by_one=None):
     from lowbit.models import attention
     from lowbit.models.attention import PagedAttention, PagedBatch
 
@@ -108,11 +113,31 @@ def test_sequences_read_together_attend_as_they_do_alone(name, monkeypatch):
     def step(seqs):
         rows = [r for s in seqs for r in range(sum(news[:s]), sum(news[:s + 1]))]
         b = PagedBatch(pos[rows], slots[rows], [news[s] for s in seqs], [ctxs[s] for s in seqs],
-                       [tables[s] for s in seqs], torch.arange(len(rows)))
-        return PagedAttention(pool, b, None)(0, q[rows], k[rows], v[rows])
+                       [tables[s] for s in seqs], torch.arange(len(rows)),
+                       None if one_by_one is None else [one_by_one[s] for s in seqs])
+        return PagedAttention(pool, b, window)(0, q[rows], k[rows], v[rows])
 
+    if not together:
+        return step(list(range(len(ctxs))))
     alone = [step([s]) for s in range(len(ctxs))]
     for budget in (1024, 5, 3):
         monkeypatch.setattr(attention, "GATHER_PAGES", budget)
         together = step(list(range(len(ctxs))))
         assert torch.equal(together, torch.cat(alone)), budget
+
+
+@pytest.mark.parametrize("name", ["f16", "k8v8", "k8v4", "k4v4"])
+@pytest.mark.parametrize("window,one_by_one", [(None, None), (4, None), (None, [False, True, False, True, False])],
+                         ids=["plain", "window", "speculative-rows"])
+def test_c_paged_attention_matches_dequantize_and_sdpa(name, window, one_by_one, monkeypatch):
+    """The C kernel that attends one-token rows straight from the quantized pages (rotated q and
+    output for k8v8/k8v4/k4v4) against the plain-torch path (pages gathered, dequantized, SDPA) on
+    the same pool: decode rows, a sliding window, and speculative rows attended one by one."""
+    from lowbit.kernels import cpu_native
+
+    if cpu_native.native() is None:
+        pytest.skip("the C kernels do not build here (tests/test_cpu_native.py says whether they must)")
+    got = _paged_step_case(name, monkeypatch, together=False, window=window, one_by_one=one_by_one)
+    monkeypatch.setattr(cpu_native, "native", lambda: None)
+    want = _paged_step_case(name, monkeypatch, together=False, window=window, one_by_one=one_by_one)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
