@@ -89,8 +89,8 @@ int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const fl
  * (x = d u + m). */
 typedef struct {
     int64_t bits, group;
-    const void *codes;
-    const uint16_t *scales, *mins;
+    void *codes;
+    uint16_t *scales, *mins;
 } lowbit_kv_side;
 
 /* Token vector `t` (page-major index (page * Hkv + h) * page_size + slot) of one side → fp32 x[D]. */
@@ -196,7 +196,70 @@ int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t
     return failed ? -2 : 0;
 }
 
+/* fp32 → fp16 bits, round to nearest even (torch's .half()). */
+static inline uint16_t to_half(float v) { return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+
+/* Quantize-on-write (kernels/kv_quant.py's specs, the same arithmetic: fp32 group max/min, the scale
+ * rounded to fp16 before the codes are chosen, round half to even): x fp32 [M, Hkv, D] (token rows sx
+ * floats apart, heads D apart), rotated first by rot [D, D] (x @ rot) when given, each (token, head)
+ * vector into its slot of the side. f16 sides store fp16(x). */
+int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t D, const int64_t *slots,
+                    int64_t page_size, const lowbit_kv_side *s, const float *rot) {
+    if (D % 2 || (s->bits != 16 && (D % s->group || s->group % 2))) return -1;
+    float y[D];
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t t = ((slots[m] / page_size) * Hkv + h) * page_size + slots[m] % page_size;
+            const float *xv = x + m * sx + h * D;
+            if (rot && s->bits != 16) {
+                rotate(xv, rot, D, 0, y);
+                xv = y;
+            }
+            if (s->bits == 16) {
+                for (int64_t d = 0; d < D; d++) ((uint16_t *)s->codes)[t * D + d] = to_half(xv[d]);
+                continue;
+            }
+            const int64_t G = D / s->group, g = s->group;
+            for (int64_t gi = 0; gi < G; gi++) {
+                const float *v = xv + gi * g;
+                if (s->bits == 8) {
+                    float amax = 0.0f;
+                    for (int64_t k = 0; k < g; k++) amax = fabsf(v[k]) > amax ? fabsf(v[k]) : amax;
+                    const uint16_t d16 = to_half(amax / 127.0f);
+                    const float d = _cvtsh_ss(d16), inv = d > 0.0f ? 1.0f / d : 0.0f;
+                    int8_t *c = (int8_t *)s->codes + t * D + gi * g;
+                    for (int64_t k = 0; k < g; k++) {
+                        const float q = nearbyintf(v[k] * inv);
+                        c[k] = (int8_t)(q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q);
+                    }
+                    s->scales[t * G + gi] = d16;
+                } else {
+                    float lo = v[0], hi = v[0];
+                    for (int64_t k = 1; k < g; k++) {
+                        lo = v[k] < lo ? v[k] : lo;
+                        hi = v[k] > hi ? v[k] : hi;
+                    }
+                    const uint16_t m16 = to_half(lo);
+                    const float mn = _cvtsh_ss(m16);
+                    const uint16_t d16 = to_half((hi - mn) / 15.0f);
+                    const float d = _cvtsh_ss(d16), inv = d > 0.0f ? 1.0f / d : 0.0f;
+                    uint8_t *c = (uint8_t *)s->codes + (t * D + gi * g) / 2;
+                    for (int64_t k = 0; k < g; k += 2) {
+                        float u0 = nearbyintf((v[k] - mn) * inv), u1 = nearbyintf((v[k + 1] - mn) * inv);
+                        u0 = u0 < 0.0f ? 0.0f : u0 > 15.0f ? 15.0f : u0;
+                        u1 = u1 < 0.0f ? 0.0f : u1 > 15.0f ? 15.0f : u1;
+                        c[k / 2] = (uint8_t)((uint8_t)u0 | ((uint8_t)u1 << 4));
+                    }
+                    s->scales[t * G + gi] = d16;
+                    s->mins[t * G + gi] = m16;
+                }
+            }
+        }
+    return 0;
+}
+
 #else
+int lowbit_kv_write(void) { return -1; }
 int lowbit_decode_attention(void) { return -1; }
 int lowbit_paged_decode_attention(void) { return -1; }
 #endif

@@ -94,6 +94,7 @@ class NativeKernels:
         lib.lowbit_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
                                                 ptr, i64, f32, ptr, ctypes.c_int]
         side = ctypes.POINTER(_KVSide)
+        lib.lowbit_kv_write.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, side, ptr]
         lib.lowbit_paged_decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, side, side,
                                                       ptr, i64, f32, ptr, ctypes.c_int]
 
@@ -234,6 +235,20 @@ class NativeKernels:
         if rc:
             raise ValueError(f"cpu paged decode attention failed (status {rc})")
         return out
+
+    def kv_write(self, x: torch.Tensor, slots: torch.Tensor, page_size: int, side: tuple[int, int, dict],
+                 rot: torch.Tensor | None) -> None:
+        """Quantize-on-write (cpu_attention.c): x fp32 [M, Hkv, D] (heads contiguous) → the slots
+        (int64 [M]) of one side (bits, group, the pool's tensors of one layer), rotated by rot first."""
+        M, Hkv, D = x.shape
+        ok = x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == D and slots.dtype == torch.int64 \
+            and slots.is_contiguous() and slots.shape == (M,) and (rot is None or rot.is_contiguous())
+        if not ok:
+            raise ValueError(f"cpu kv write: unsupported input {tuple(x.shape)} {x.dtype} strides {x.stride()}")
+        rc = self.lib.lowbit_kv_write(x.data_ptr(), x.stride(0), M, Hkv, D, slots.data_ptr(), page_size,
+                                      ctypes.byref(self._side(*side, D)), None if rot is None else rot.data_ptr())
+        if rc:
+            raise ValueError(f"cpu kv write: unsupported {side[0]}-bit side with group {side[1]}")
 
     @staticmethod
     def _side(bits: int, group: int, t: dict, D: int) -> _KVSide:

@@ -19,7 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_ROWS 8  /* rows per pass; more spill the accumulators out of the 16 ymm (1728x576: M = 15 in one pass 1248 us, two passes of <= 8 ~540 us) */
+#define MAX_ROWS 8  /* int8: rows per pass; more spill the accumulators out of the 16 ymm (int4's whole-tile form, 1728x576: M = 15 in one pass 1248 us, two passes of <= 8 ~540 us) */
+#define INT4_ROWS 16  /* int4: rows per pass (the tile is read once for them, 4 rows at a time from L1) */
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -40,8 +41,7 @@ static inline void scales8(const uint16_t *s, int64_t P, __m256 *d, __m256 *z) {
     *z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
 }
 
-/* One tile of 32 output rows; M is a compile-time constant at each call site (see int4_tile32),
- * so the 4 x M accumulators stay in registers. */
+/* One tile of 32 output rows for one row of x (int4_tile32): its 4 + 4 accumulators stay in registers. */
 static inline __attribute__((always_inline)) void int4_tile32_m(
         const float *x, const int M, int64_t K, const float *xs, int64_t G, int64_t gs, const uint8_t *tile,
         const uint16_t *sm, int64_t P, int64_t Np, int64_t row0, float *y) {
@@ -77,6 +77,43 @@ static inline __attribute__((always_inline)) void int4_tile32_m(
         for (int i = 0; i < 4; i++) _mm256_storeu_ps(y + m * Np + row0 + 8 * i, acc[m][i]);
 }
 
+/* Half a tile (16 output rows: the low nibbles, half = 0, or the high ones) for M <= 4 rows of x (a
+ * compile-time constant): 2 x M accumulators stay in registers, where a whole tile for more than two
+ * rows spilled them (1728x576, M = 8: ~2.5x slower per row than this). The same operations per
+ * element, in the same order, as int4_tile32_m: a row's result does not depend on which one ran. */
+static inline __attribute__((always_inline)) void int4_half_m(
+        const float *x, const int M, int64_t K, const float *xs, int64_t G, int64_t gs, const uint8_t *tile,
+        const uint16_t *sm, int64_t P, int64_t Np, int64_t row0, int half, float *y) {
+    __m256 acc[4][2], ta[4][2];
+    const __m128i low4 = _mm_set1_epi8(15);
+    for (int m = 0; m < M; m++)
+        for (int i = 0; i < 2; i++) acc[m][i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int m = 0; m < M; m++)
+            for (int i = 0; i < 2; i++) ta[m][i] = _mm256_setzero_ps();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(tile + k * 16));
+            const __m128i u = half ? _mm_and_si128(_mm_srli_epi16(b, 4), low4) : _mm_and_si128(b, low4);
+            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u));
+            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(u, 8)));
+            for (int m = 0; m < M; m++) {
+                const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+                ta[m][0] = _mm256_fmadd_ps(w0, xv, ta[m][0]);
+                ta[m][1] = _mm256_fmadd_ps(w1, xv, ta[m][1]);
+            }
+        }
+        __m256 d[2], z[2];
+        for (int i = 0; i < 2; i++) scales8(sm + (g * Np + row0 + 16 * half + 8 * i) * P, P, &d[i], &z[i]);
+        for (int m = 0; m < M; m++) {
+            const __m256 sx = _mm256_set1_ps(xs[m * G + g]);
+            for (int i = 0; i < 2; i++)
+                acc[m][i] = _mm256_add_ps(acc[m][i], _mm256_fmadd_ps(d[i], ta[m][i], _mm256_mul_ps(z[i], sx)));
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int i = 0; i < 2; i++) _mm256_storeu_ps(y + m * Np + row0 + 16 * half + 8 * i, acc[m][i]);
+}
+
 #define DISPATCH_M(F, M, ...)                                                                          \
     switch (M) {                                                                                       \
         case 1: F(__VA_ARGS__, 1); break; case 2: F(__VA_ARGS__, 2); break;                            \
@@ -85,18 +122,33 @@ static inline __attribute__((always_inline)) void int4_tile32_m(
         case 7: F(__VA_ARGS__, 7); break; default: F(__VA_ARGS__, 8); break;                           \
     }
 
-#define TILE32(x, K, xs, G, gs, tile, sm, P, Np, row0, y, M) int4_tile32_m(x, M, K, xs, G, gs, tile, sm, P, Np, row0, y)
+#define HALF(x, K, xs, G, gs, tile, sm, P, Np, row0, h, y, M) int4_half_m(x, M, K, xs, G, gs, tile, sm, P, Np, row0, h, y)
 
+/* One row of x: the whole tile at once (4 accumulators, no spill). More: half tiles, 4 rows at a time
+ * (the tile's codes, 9 KB at K = 576, stay in L1 between the passes). */
 static void int4_tile32(const float *x, int64_t M, int64_t K, const float *xs, int64_t G, int64_t gs,
                         const uint8_t *tile, const uint16_t *sm, int64_t P, int64_t Np, int64_t row0, float *y) {
-    DISPATCH_M(TILE32, M, x, K, xs, G, gs, tile, sm, P, Np, row0, y)
+    if (M == 1) {
+        int4_tile32_m(x, 1, K, xs, G, gs, tile, sm, P, Np, row0, y);
+        return;
+    }
+    for (int h = 0; h < 2; h++)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mc = M - m0 < 4 ? M - m0 : 4;
+            switch (mc) {
+                case 1: HALF(x + m0 * K, K, xs + m0 * G, G, gs, tile, sm, P, Np, row0, h, y + m0 * Np, 1); break;
+                case 2: HALF(x + m0 * K, K, xs + m0 * G, G, gs, tile, sm, P, Np, row0, h, y + m0 * Np, 2); break;
+                case 3: HALF(x + m0 * K, K, xs + m0 * G, G, gs, tile, sm, P, Np, row0, h, y + m0 * Np, 3); break;
+                default: HALF(x + m0 * K, K, xs + m0 * G, G, gs, tile, sm, P, Np, row0, h, y + m0 * Np, 4); break;
+            }
+        }
 }
 
 /* The last tile when Np % 32 == 16: byte j of column k holds rows 2j (low) and 2j+1 (high). Plain
  * C: it is at most 16 rows of a weight. */
 static void int4_tile16(const float *x, int64_t M, int64_t K, const float *xs, int64_t G, int64_t gs,
                         const uint8_t *tile, const uint16_t *sm, int64_t P, int64_t Np, int64_t row0, float *y) {
-    float acc[MAX_ROWS][16], ta[MAX_ROWS][16], u[16];
+    float acc[INT4_ROWS][16], ta[INT4_ROWS][16], u[16];
     memset(acc, 0, sizeof(acc));
     for (int64_t g = 0; g < G; g++) {
         memset(ta, 0, sizeof(ta));
@@ -118,7 +170,7 @@ static void int4_tile16(const float *x, int64_t M, int64_t K, const float *xs, i
 }
 
 /* x fp32 [M, K] (K = G * gs), packed: the tile layout of [Np, K] codes, sm fp16 [G, Np, P] → y fp32
- * [M, Np]. xs: scratch fp32 [M, G] for the group sums of x. Rows go MAX_ROWS at a time. Returns 0,
+ * [M, Np]. xs: scratch fp32 [M, G] for the group sums of x. Rows go INT4_ROWS at a time. Returns 0,
  * or -1 for a shape it does not take. */
 int lowbit_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sm, int64_t P,
                    int64_t Np, int64_t gs, float *xs, float *y, int nthreads) {
@@ -130,8 +182,8 @@ int lowbit_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *packed, 
             for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += x[m * K + k];
             xs[m * G + g] = s;
         }
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const int64_t mc = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+    for (int64_t m0 = 0; m0 < M; m0 += INT4_ROWS) {
+        const int64_t mc = M - m0 < INT4_ROWS ? M - m0 : INT4_ROWS;
         const float *xc = x + m0 * K, *xsc = xs + m0 * G;
         float *yc = y + m0 * Np;
 #pragma omp parallel for schedule(static) num_threads(nthreads)

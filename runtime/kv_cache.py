@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.kernels import cpu_native
 from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, rotation
 from lowbit.quant.kv import KVFormat
 
@@ -61,11 +62,18 @@ class KVPool:
                    for t in side.values())
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v [M, Hkv, D] (any float dtype) of M tokens → their slots (int [M])."""
+        """k, v [M, Hkv, D] (any float dtype) of M tokens → their slots (int [M]). On CPU with lowbit's
+        C kernels, fp32 rows are quantized in C (kernels/cpu_attention.c: the specs' arithmetic, one
+        call per side instead of ~15 torch ops)."""
+        kernels = cpu_native.native() if k.device.type == "cpu" else None
         page, off = slots // self.page_size, slots % self.page_size
         for name, x, bits, group in (("k", k, self.fmt.k_bits, self.fmt.k_group),
                                      ("v", v, self.fmt.v_bits, self.fmt.v_group)):
             buf = self.sides[layer][name]
+            if kernels is not None and x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]:
+                kernels.kv_write(x, slots.to(torch.int64).contiguous(), self.page_size,
+                                 (bits, self.fmt.group(bits, group, self.head_dim), buf), self.rot)
+                continue
             if bits == 16:
                 buf["data"][page, :, off] = x.to(buf["data"].dtype)  # [M, Hkv, D] at (page, :, off)
                 continue

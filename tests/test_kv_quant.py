@@ -141,3 +141,43 @@ def test_c_paged_attention_matches_dequantize_and_sdpa(name, window, one_by_one,
     monkeypatch.setattr(cpu_native, "native", lambda: None)
     want = _paged_step_case(name, monkeypatch, together=False, window=window, one_by_one=one_by_one)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name,rotate", [("f16", False)] + [(n, r) for n in ("k8v8", "k8v4", "k4v4") for r in (False, True)])
+def test_c_quantize_on_write_matches_the_specs(name, rotate, monkeypatch):
+    """KVPool.write through the C kernel against the plain-torch specs (kernels/kv_quant.py) on the
+    same tokens, K/V as strided views of one QKV row: without the rotation every code, scale and min
+    is bit-identical (the same fp32 arithmetic, fp16 scales, round half to even); with it the rotation
+    is a 64-term sum in another order, so a code may move by one step — the dequantized vectors agree
+    to within one quantization step and almost all codes are equal."""
+    from dataclasses import replace
+
+    from lowbit.kernels import cpu_native
+
+    if cpu_native.native() is None:
+        pytest.skip("the C kernels do not build here (tests/test_cpu_native.py says whether they must)")
+    fmt = KV_FORMATS[name] if rotate else replace(KV_FORMATS[name], rotate=False)
+    Hkv, D, P, M = 2, 64, 4, 11
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(M, (3 + 2 * Hkv) * D, generator=g) * torch.linspace(0.1, 8, (3 + 2 * Hkv) * D)  # outliers
+    qkv[3, 3 * D:] = 0.0  # an all-zero vector: scale 0
+    k, v = qkv[:, 3 * D:(3 + Hkv) * D].view(M, Hkv, D), qkv[:, (3 + Hkv) * D:].view(M, Hkv, D)
+    slots = torch.randperm(8 * P, generator=g)[:M]
+    pools = []
+    for hide in (False, True):
+        if hide:
+            monkeypatch.setattr(cpu_native, "native", lambda: None)
+        pools.append(KVPool(fmt, 1, Hkv, D, num_pages=8, page_size=P))
+        pools[-1].write(0, k, v, slots)
+    c, ref = pools
+    for side in ("k", "v"):
+        for key, got in c.sides[0][side].items():
+            want = ref.sides[0][side][key]
+            if not rotate:
+                assert torch.equal(got, want), (side, key)
+            elif key == "codes":
+                assert (got != want).float().mean() < 0.02, (side, key)
+    pages = torch.arange(8)
+    for a, b in zip(c.gather(0, pages, 8 * P), ref.gather(0, pages, 8 * P)):
+        step = (b.abs().amax() / 127) if fmt.k_bits == 8 and fmt.v_bits == 8 else (b.amax() - b.amin()) / 15
+        assert (a - b).abs().max() <= step * 1.01

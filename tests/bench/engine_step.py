@@ -4,10 +4,12 @@
 
 N streams (half input-grounded prompts from the shipped WikiText excerpt, half open-ended chat; see
 speculative.py) are prefilled through the engine (k8v4 cache), then decode steps alternate between
-the two ways CPU attention reads the paged cache: every sequence's pages read and dequantized in one
-batch (models/attention.py, GATHER_PAGES) and one read per sequence (GATHER_PAGES = 1, as before).
-Alternating step by step lets both share the machine's noise and the same growing contexts; prints
-the median step time of each and their ratio. Wall clock around engine.step().
+two ways CPU attention reads the paged cache: lowbit's C kernel attending every one-token row
+straight from the quantized pages (kernels/cpu_attention.c, the default where it builds), and the
+plain-torch path it replaced — the step's pages gathered and dequantized together (GATHER_PAGES),
+then SDPA per sequence. Everything else (matmuls, fused blocks, quantize-on-write) is the same C in
+both. Alternating step by step lets both share the machine's noise and the same growing contexts;
+prints the median step time of each and their ratio. Wall clock around engine.step().
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ from lowbit.runtime.loader import load  # noqa: E402
 from lowbit.runtime.sampler import SamplingParams  # noqa: E402
 
 
+class _AttentionWithoutC:
+    """What models/attention.py sees of kernels/cpu_native.py in the comparison steps: no C kernels."""
+
+    @staticmethod
+    def native():
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model (default: the default model)")
@@ -47,21 +57,21 @@ def main() -> None:
     sched = engine.scheduler
     while sched.waiting or any(s.num_tokens - s.num_computed > 1 for s in sched.running):
         engine.step()  # prefill every stream first
-    default, times = attention.GATHER_PAGES, {"batched": [], "per sequence": []}
+    c_kernels, times = attention.cpu_native, {"C from pages": [], "gathered + SDPA": []}
     try:
         for i in range(args.steps):
-            mode = "per sequence" if i % 2 else "batched"
-            attention.GATHER_PAGES = 1 if i % 2 else default
+            mode = "gathered + SDPA" if i % 2 else "C from pages"
+            attention.cpu_native = _AttentionWithoutC if i % 2 else c_kernels
             t0 = time.perf_counter()
             engine.step()
             times[mode].append(time.perf_counter() - t0)
     finally:
-        attention.GATHER_PAGES = default
+        attention.cpu_native = c_kernels
     med = {m: statistics.median(v) for m, v in times.items()}
     print(f"{args.streams} streams decoding, {args.threads} threads, {args.steps} steps alternated")
     for m, t in med.items():
-        print(f"  cache read {m:<13} median step {t * 1e3:7.1f} ms   {args.streams / t:6.1f} tok/s")
-    print(f"  batched / per sequence: {med['per sequence'] / med['batched']:.2f}x")
+        print(f"  attention {m:<16} median step {t * 1e3:7.1f} ms   {args.streams / t:6.1f} tok/s")
+    print(f"  C from pages / gathered + SDPA: {med['gathered + SDPA'] / med['C from pages']:.2f}x")
 
 
 if __name__ == "__main__":
