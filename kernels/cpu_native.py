@@ -81,6 +81,7 @@ class NativeKernels:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
+        self._sides: dict[tuple, _KVSide] = {}  # a pool side's descriptor, built once (~4 us each)
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.lowbit_int4_mm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
         lib.lowbit_int8_mm.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int]
@@ -250,8 +251,17 @@ class NativeKernels:
         if rc:
             raise ValueError(f"cpu kv write: unsupported {side[0]}-bit side with group {side[1]}")
 
+    def _side(self, bits: int, group: int, t: dict, D: int) -> _KVSide:
+        key = (bits, group, D, *(x.data_ptr() for x in t.values()), next(iter(t.values())).shape)
+        side = self._sides.get(key)
+        if side is None:
+            if len(self._sides) > 4096:  # pools come and go (tests, evaluation): forget old ones
+                self._sides.clear()
+            side = self._sides[key] = self._new_side(bits, group, t, D)
+        return side
+
     @staticmethod
-    def _side(bits: int, group: int, t: dict, D: int) -> _KVSide:
+    def _new_side(bits: int, group: int, t: dict, D: int) -> _KVSide:
         if bits == 16:
             ok = t["data"].dtype == torch.float16 and t["data"].is_contiguous()
             side = _KVSide(16, D, t["data"].data_ptr(), None, None)

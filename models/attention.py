@@ -146,7 +146,8 @@ class PagedAttention:
                 toff += [off] * n
                 tables.append(batch.block_tables[i])
                 off += len(batch.block_tables[i])
-            self.c_rows = torch.tensor(rows)
+            # every row of the step (a pure decode step): q is passed and the output taken whole
+            self.c_rows = slice(None) if rows == list(range(starts[-1])) else torch.tensor(rows)
             self.c_args = (torch.tensor(ctx), torch.cat(tables).to(torch.int64).cpu(), torch.tensor(toff))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -159,10 +160,13 @@ class PagedAttention:
         out = torch.empty(M, H, D, dtype=torch.float32, device=q.device)
         if self.c_rows is not None:
             fmt, sides = pool.fmt, pool.sides[layer]
-            out[self.c_rows] = self.native.paged_decode_attention(
+            attended = self.native.paged_decode_attention(
                 q[self.c_rows].float(), *self.c_args, pool.page_size,
                 (fmt.k_bits, fmt.group(fmt.k_bits, fmt.k_group, D), sides["k"]),
                 (fmt.v_bits, fmt.group(fmt.v_bits, fmt.v_group, D), sides["v"]), self.rot, self.window)
+            if isinstance(self.c_rows, slice):
+                return attended.view(M, H * D)
+            out[self.c_rows] = attended
         one_by_one = b.one_by_one or [False] * len(b.query_lens)
         for start, end in self.groups:
             for (i, row), (keys, values) in zip(self.rows[start:end], self._read(layer, start, end)):  # [Hkv, ctx, D]
