@@ -270,8 +270,67 @@ int lowbit_int8_mm(const float *x, int64_t M, int64_t G, int64_t N, int64_t g, c
     return 0;
 }
 
+/* The exact path's weight tile (kernels/int4_mm.py dequantize_packed_t): W^T fp32 [K, Np] from the
+ * tile layout, w = d * u + m (P = 2) or (u - 8) * d (P = 1) — one product and one sum, as the torch
+ * spec computes them, so the tile is bit-identical to it and the exact path's GEMM sees the same
+ * numbers. Groups are split across threads: each reads its groups' codes and scales once and writes
+ * whole rows k of the output. */
+int lowbit_int4_dequant_t(const uint8_t *packed, const uint16_t *sm, int64_t P, int64_t Np, int64_t K, int64_t gs,
+                          float *out, int nthreads) {
+    if (gs < 1 || K % gs || Np % 16 || (P != 1 && P != 2)) return -1;
+    const int64_t full = Np / 32, G = K / gs;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t g = 0; g < G; g++) {
+        const __m128i low4 = _mm_set1_epi8(15);
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (int64_t t = 0; t < full; t++) {
+            __m256 d[4], z[4];
+            for (int i = 0; i < 4; i++) scales8(sm + (g * Np + t * 32 + 8 * i) * P, P, &d[i], &z[i]);
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(packed + t * K * 16 + k * 16));
+                const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+                const __m256i u[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                                      _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+                float *o = out + k * Np + t * 32;
+                for (int i = 0; i < 4; i++) {
+                    const __m256 w = P == 2 ? _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(u[i]), d[i]), z[i])
+                                            : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u[i], eight)), d[i]);
+                    _mm256_storeu_ps(o + 8 * i, w);
+                }
+            }
+        }
+        for (int64_t r = 0; r < Np - full * 32; r++) {  /* the last tile of 16 rows: byte j = rows 2j, 2j+1 */
+            const int64_t n = full * 32 + r;
+            const float dn = _cvtsh_ss(sm[(g * Np + n) * P]), mn = P == 2 ? _cvtsh_ss(sm[(g * Np + n) * P + 1]) : 0.0f;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+                const uint8_t b = packed[full * K * 16 + k * 8 + r / 2], u = r % 2 ? b >> 4 : b & 15;
+                out[k * Np + n] = P == 2 ? (float)u * dn + mn : (float)((int)u - 8) * dn;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The exact path's int8 rows (kernels/int8_mm.py Int8Packed.dequantize): rows n0..n1-1 of W fp32
+ * [n1 - n0, G * g] from group-major codes [G, N, g], w = q * d (one product, as the spec). */
+int lowbit_int8_dequant(const int8_t *q, const void *scales, int scale_f32, int64_t G, int64_t N, int64_t g,
+                        int64_t n0, int64_t n1, float *out, int nthreads) {
+    if (n0 < 0 || n1 > N || n0 > n1) return -1;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t gi = 0; gi < G; gi++) {
+            const float d = scale_f32 ? ((const float *)scales)[n * G + gi] : _cvtsh_ss(((const uint16_t *)scales)[n * G + gi]);
+            const int8_t *c = q + (gi * N + n) * g;
+            float *o = out + (n - n0) * G * g + gi * g;
+            for (int64_t j = 0; j < g; j++) o[j] = (float)c[j] * d;
+        }
+    return 0;
+}
+
 #else  /* no AVX2/FMA/F16C: report it, and lowbit keeps torch's kernels */
 int lowbit_native_ok(void) { return 0; }
 int lowbit_int4_mm(void) { return -1; }
 int lowbit_int8_mm(void) { return -1; }
+int lowbit_int4_dequant_t(void) { return -1; }
+int lowbit_int8_dequant(void) { return -1; }
 #endif

@@ -120,6 +120,8 @@ def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
 def dequantize_packed_t(w: Int4Packed) -> torch.Tensor:
     """Exact fp32 W^T [Kp, Np] (a tile for one call, never kept), computed in the reference's
     order — d * (u - 8), d * u + m — so it matches quant/int4.py's dequantize bit for bit."""
+    if w.fused and w.packed.device.type == "cpu" and (kernels := cpu_native.native()) is not None:
+        return kernels.int4_dequant_t(w.packed, w.scale_min, w.group_size)  # the same numbers, in one C pass
     Np, Kp = w.padded_shape
     G, g = Kp // w.group_size, w.group_size
     u = w.codes_t().view(G, g, Np)  # [G, g, Np]: rows of one group are contiguous

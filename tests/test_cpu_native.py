@@ -312,3 +312,30 @@ def test_contiguous_attention_takes_the_c_path_as_sdpa_does(start):
         caches.append(cache)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,N,K", [("int4-g32", 96, 96), ("int4-sym-g32", 48, 64), ("int4-g128", 80, 256),
+                                      ("int8-g32", 40, 96), ("int8", 33, 104)])
+def test_exact_path_tiles_are_the_specs_bit_for_bit(name, N, K, monkeypatch):
+    """The exact path's dequantized weight tiles from C (one pass) equal the torch spec's, bit for
+    bit — so prefill and verification run the same fp32 GEMM on the same numbers (N = 48 and 80 end
+    in a half tile; per-channel int8 has fp32 scales and a padded K)."""
+    from lowbit.kernels import cpu_native
+    from lowbit.kernels.int4_mm import dequantize_packed_t
+
+    _kernels()
+    spec = parse_weights(name)
+    w = quantize_weight(torch.randn(N, K, generator=torch.Generator().manual_seed(N)), spec)
+    if name.startswith("int4"):
+        p = int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K)
+        tiles = [dequantize_packed_t(p)]
+    else:
+        p = int8_pack(w.qweight, w.scales, K)
+        tiles = [p.dequantize(), p.dequantize(slice(3, 17)), p.dequantize(slice(5, None))]
+    monkeypatch.setattr(cpu_native, "native", lambda: None)
+    if name.startswith("int4"):
+        want = [dequantize_packed_t(p)]
+    else:
+        want = [p.dequantize(), p.dequantize(slice(3, 17)), p.dequantize(slice(5, None))]
+    for got, ref in zip(tiles, want):
+        assert torch.equal(got, ref)
