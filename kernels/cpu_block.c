@@ -163,3 +163,34 @@ int lowbit_block_post(const lowbit_block *b, int64_t M, const float *attn, float
     free(buf);
     return rc;
 }
+
+int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const float *v, int64_t skv, float *cache_k,
+                            float *cache_v, int64_t cb, int64_t ch, int64_t B, int64_t H, int64_t Hkv, int64_t S,
+                            int64_t D, const int64_t *pos, int64_t window, float scale, float *out, int nthreads);
+
+/* A whole single-token step over the contiguous fp32 cache, every block in turn: block_pre, decode
+ * attention (cpu_attention.c) on layer l of the cache (element (l, b, h, s, d) at l * cl + b * cb +
+ * h * ch + s * D + d), block_post — the very calls the per-block path makes from Python, in the same
+ * order, so the result is bit-identical to it; one call instead of three per layer. delta [M, dim]:
+ * the embeddings in, the last block's output out; residual [M, dim] out; scale: attention's 1/sqrt(D)
+ * as the Python caller passes it to the per-block path. */
+int lowbit_decode_layers(const lowbit_block *blocks, int64_t L, int64_t M, float *delta, float *residual,
+                         const float *cos, const float *sin, float *cache_k, float *cache_v, int64_t cl, int64_t cb,
+                         int64_t ch, int64_t S, const int64_t *pos, int64_t window, float scale, int nthreads) {
+    const lowbit_block *b0 = blocks;
+    const int64_t D = b0->head_dim, W = (b0->n_heads + 2 * b0->n_kv_heads) * D;
+    float *qkv = malloc(sizeof(float) * (size_t)(M * W)), *attn = malloc(sizeof(float) * (size_t)(M * b0->n_heads * D));
+    int rc = qkv && attn ? 0 : -2;
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        const lowbit_block *b = blocks + l;
+        rc = lowbit_block_pre(b, M, delta, residual, l > 0, cos, sin, qkv, nthreads);
+        if (rc == 0)
+            rc = lowbit_decode_attention(qkv, W, qkv + b->n_heads * D, qkv + (b->n_heads + b->n_kv_heads) * D, W,
+                                         cache_k + l * cl, cache_v + l * cl, cb, ch, M, b->n_heads, b->n_kv_heads, S, D,
+                                         pos, window, scale, attn, nthreads);
+        if (rc == 0) rc = lowbit_block_post(b, M, attn, residual, delta, nthreads);
+    }
+    free(qkv);
+    free(attn);
+    return rc;
+}

@@ -94,6 +94,8 @@ class NativeKernels:
         blk = ctypes.POINTER(_Block)
         lib.lowbit_block_pre.argtypes = [blk, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]
         lib.lowbit_block_post.argtypes = [blk, i64, ptr, ptr, ptr, ctypes.c_int]
+        lib.lowbit_decode_layers.argtypes = [blk, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64,
+                                             f32, ctypes.c_int]
         lib.lowbit_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
                                                 ptr, i64, f32, ptr, ctypes.c_int]
         side = ctypes.POINTER(_KVSide)
@@ -216,6 +218,17 @@ class NativeKernels:
         return self.lib.lowbit_block_post(ctypes.byref(block), M, attn.data_ptr(), residual.data_ptr(),
                                           delta.data_ptr(), torch.get_num_threads())
 
+
+    def decode_layers(self, blocks, M: int, delta: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pos: torch.Tensor,
+                      window: int | None) -> int:
+        """Every block of a single-token step over the contiguous cache (cpu_block.c); blocks: a ctypes
+        array of _Block; cache_k/v fp32 [L, B, Hkv, S, D] (rows of S contiguous). Returns the C status."""
+        L, B, Hkv, S, D = cache_k.shape
+        return self.lib.lowbit_decode_layers(blocks, len(blocks), M, delta.data_ptr(), residual.data_ptr(),
+                                             cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
+                                             cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), S, pos.data_ptr(),
+                                             window or 0, D ** -0.5, torch.get_num_threads())
 
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                          cache_v: torch.Tensor, pos: torch.Tensor, window: int | None) -> torch.Tensor:

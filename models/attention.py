@@ -69,6 +69,10 @@ class ContiguousAttention:
             else:
                 self.positions = start.to(torch.int64).contiguous()
 
+    def one_token_in_c(self, M: int) -> bool:
+        """Whether this step (M rows) is one token per sequence that the C decode attention takes."""
+        return self.native is not None and M == self.cache.k.shape[1]
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [M, H, D], k/v [M, Hkv, D] (M = B*T) → attention output fp32 [M, H*D]."""
         cache, start = self.cache, self.start

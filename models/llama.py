@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowbit.kernels.cpu_block import FusedLayers
 from lowbit.kernels.int4_mm import EXACT_MIN_ROWS
 from lowbit.models.attention import ContiguousAttention, PagedAttention, PagedBatch
 from lowbit.models.backend import Backend, torch_backend
@@ -140,6 +141,10 @@ class Llama(nn.Module):
             self.output = QuantLinear(weights["embed"], backend.linear)
         self.register_buffer("inv_freq", inv_frequencies(config, weights.get("rope_freqs")).to(backend.device),
                              persistent=False)
+        # every block fused (CPU, C kernels): a single-token step over the contiguous cache runs all of
+        # them in one C call (kernels/cpu_block.py FusedLayers), the same arithmetic as block by block
+        fused = [layer.fused for layer in self.layers]
+        self.fused_layers = FusedLayers(fused) if fused and all(f is not None for f in fused) else None
 
     @property
     def device(self) -> torch.device:
@@ -183,8 +188,14 @@ class Llama(nn.Module):
         choose per row (ExactRows); activations are then in the backend's dtype (fp32 on CPU)."""
         dtype = torch.float32 if exact is True else self.backend.dtype
         delta, residual = self.embed(tokens).to(dtype), None  # [M, dim]
-        for i, layer in enumerate(self.layers):
-            delta, residual = layer(delta, residual, i, cos, sin, attend, exact, dtype)
+        M = delta.shape[0]
+        if self.fused_layers is not None and isinstance(attend, ContiguousAttention) and attend.one_token_in_c(M) \
+                and (exact is False or (exact is None and M < EXACT_MIN_ROWS)) and FusedLayers.ready():
+            delta, residual = self.fused_layers.decode(delta.contiguous(), cos.contiguous(), sin.contiguous(),
+                                                       attend.cache.k, attend.cache.v, attend.positions, attend.window)
+        else:
+            for i, layer in enumerate(self.layers):
+                delta, residual = layer(delta, residual, i, cos, sin, attend, exact, dtype)
         if rows is not None and rows.numel() == 0:  # a step of prefill chunks that all end mid-prompt
             return torch.empty(0, self.config.vocab_size, device=tokens.device)
         if rows is not None:

@@ -339,3 +339,33 @@ def test_exact_path_tiles_are_the_specs_bit_for_bit(name, N, K, monkeypatch):
         want = [p.dequantize(), p.dequantize(slice(3, 17)), p.dequantize(slice(5, None))]
     for got, ref in zip(tiles, want):
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("weights,bias", [("int4-g32", False), ("int4-sym-g32", True)])
+def test_one_call_step_equals_the_block_by_block_step(weights, bias):
+    """A single-token step over the contiguous cache in one C call (every block, kernels/cpu_block.py
+    FusedLayers) gives the logits and the cache, bit for bit, that the block-by-block path gives (the
+    same C calls from Python), for per-sequence positions too."""
+    from lowbit.models.llama import KVCache
+
+    _kernels()
+    model = _tiny_model(weights, bias)
+    assert model.fused_layers is not None
+    ids = torch.randint(0, 80, (2, 10), generator=torch.Generator().manual_seed(4))
+
+    def run(one_call: bool):
+        saved = model.fused_layers
+        model.fused_layers = saved if one_call else None
+        try:
+            with torch.inference_mode():
+                cache = KVCache.empty(model.config, 2, 12)
+                model(ids[:, :4], cache, 0, exact=True)
+                out = [model(ids[:, t:t + 1], cache, t, exact=False) for t in range(4, 8)]
+                out.append(model.decode(ids[:, 8], torch.tensor([8, 8]), cache)[:, None])
+                return torch.cat(out, 1), cache
+        finally:
+            model.fused_layers = saved
+
+    (a, ca), (b, cb) = run(True), run(False)
+    assert torch.equal(a, b) and torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
+    assert torch.isfinite(a).all() and ca.k[:, :, :, 8].abs().sum() > 0
