@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -82,16 +84,6 @@ int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const fl
     }
     return failed ? -2 : 0;
 }
-
-/* One side (K or V) of one layer of the paged pool (runtime/kv_cache.py), as stored: bits 16: fp16
- * data [P, Hkv, page, D]; 8: int8 codes [P, Hkv, page, D], fp16 scales [P, Hkv, page, D/group] (x = d q);
- * 4: uint8 codes [P, Hkv, page, D/2] (low nibble first), fp16 scales and mins [P, Hkv, page, D/group]
- * (x = d u + m). */
-typedef struct {
-    int64_t bits, group;
-    void *codes;
-    uint16_t *scales, *mins;
-} lowbit_kv_side;
 
 /* Token vector `t` (page-major index (page * Hkv + h) * page_size + slot) of one side → fp32 x[D]. */
 static inline void kv_vector(const lowbit_kv_side *s, int64_t t, int64_t D, float *x) {
@@ -258,8 +250,18 @@ int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t 
     return 0;
 }
 
-#else
-int lowbit_kv_write(void) { return -1; }
-int lowbit_decode_attention(void) { return -1; }
-int lowbit_paged_decode_attention(void) { return -1; }
+#else  /* no AVX2/FMA: lowbit_native_ok() (cpu_wq_mm.c) says so and none of these is called */
+int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t D, const int64_t *slots,
+                    int64_t page_size, const lowbit_kv_side *s, const float *rot) { return -1; }
+int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const float *v, int64_t skv, float *cache_k,
+                            float *cache_v, int64_t cb, int64_t ch, int64_t B, int64_t H, int64_t Hkv, int64_t S,
+                            int64_t D, const int64_t *pos, int64_t window, float scale, float *out, int nthreads) {
+    return -1;
+}
+int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
+                                  const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
+                                  const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
+                                  int64_t window, float scale, float *out, int nthreads) {
+    return -1;
+}
 #endif

@@ -21,27 +21,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-int lowbit_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sm, int64_t P,
-                   int64_t Np, int64_t gs, float *xs, float *y, int nthreads);
-int lowbit_int8_mm(const float *x, int64_t M, int64_t G, int64_t N, int64_t g, const int8_t *q, const void *scales,
-                   int scale_f32, float *y, int nthreads);
+#include "cpu_kernels.h"
+
 
 /* Row loops of at least this many elements run on OpenMP's threads (torch's count: one libgomp); a row
  * is one thread's work either way, so results do not depend on it. Decode rows (M < 16) stay on one
  * thread: waking the others costs more than the loop (576-wide norm: ~1 us). */
 #define PARALLEL_MIN 65536
-
-/* One weight as its C kernel reads it (kernels/cpu_native.py fills it from Int4Packed/Int8Packed). */
-typedef struct {
-    int64_t kind;   /* 1: int4, torch's CPU tile layout; 2: int8, group-major [G, N, g] */
-    int64_t N;      /* output features (int4: a multiple of 16, no padding rows) */
-    int64_t K;      /* input features (a whole number of groups, no padding columns) */
-    int64_t group;  /* int4: group size; int8: g */
-    int64_t P;      /* int4: 2 (scale, min) pairs or 1 (scale); int8: 1 if the scales are fp32, 0 if fp16 */
-    const void *codes;
-    const void *scales;
-    const float *bias;  /* fp32 [N] or NULL */
-} lowbit_linear;
 
 /* y [M, N] = x [M, K] @ W^T (+ bias). */
 int lowbit_linear_mm(const lowbit_linear *w, const float *x, int64_t M, float *y, int nthreads) {
@@ -120,14 +106,6 @@ void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su,
         }
 }
 
-/* The shapes of one block; the weights are the lowbit_linear descriptors. */
-typedef struct {
-    int64_t dim, n_heads, n_kv_heads, head_dim, hidden;
-    float eps;
-    const float *attn_norm, *ffn_norm;  /* fp32 [dim] */
-    lowbit_linear qkv, o, gate_up, down;  /* qkv: [(H + 2 Hkv) D, dim]; gate_up: [2 hidden, dim] */
-} lowbit_block;
-
 /* delta [M, dim] (the previous block's output), residual [M, dim] (in/out; has_res = 0 for the first
  * block: residual := delta), cos/sin [M, D] → qkv [M, (H + 2 Hkv) D], q and k rotated. */
 int lowbit_block_pre(const lowbit_block *b, int64_t M, const float *delta, float *residual, int has_res,
@@ -164,10 +142,6 @@ int lowbit_block_post(const lowbit_block *b, int64_t M, const float *attn, float
     return rc;
 }
 
-int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const float *v, int64_t skv, float *cache_k,
-                            float *cache_v, int64_t cb, int64_t ch, int64_t B, int64_t H, int64_t Hkv, int64_t S,
-                            int64_t D, const int64_t *pos, int64_t window, float scale, float *out, int nthreads);
-
 /* A whole single-token step over the contiguous fp32 cache, every block in turn: block_pre, decode
  * attention (cpu_attention.c) on layer l of the cache (element (l, b, h, s, d) at l * cl + b * cb +
  * h * ch + s * D + d), block_post — the very calls the per-block path makes from Python, in the same
@@ -188,6 +162,35 @@ int lowbit_decode_layers(const lowbit_block *blocks, int64_t L, int64_t M, float
             rc = lowbit_decode_attention(qkv, W, qkv + b->n_heads * D, qkv + (b->n_heads + b->n_kv_heads) * D, W,
                                          cache_k + l * cl, cache_v + l * cl, cb, ch, M, b->n_heads, b->n_kv_heads, S, D,
                                          pos, window, scale, attn, nthreads);
+        if (rc == 0) rc = lowbit_block_post(b, M, attn, residual, delta, nthreads);
+    }
+    free(qkv);
+    free(attn);
+    return rc;
+}
+
+/* A whole decode step over the paged pool (runtime/kv_cache.py), every row one token: per block,
+ * block_pre, the K and V of the step quantized into their slots (kv_write, rotated by write_rot when
+ * the format rotates), paged decode attention over each row's first ctx[r] tokens (attn_rot: both
+ * sides rotated), block_post — the calls the per-block path makes from Python, in the same order,
+ * so the result is bit-identical to it. k_sides/v_sides: one descriptor per layer. */
+int lowbit_decode_paged_layers(const lowbit_block *blocks, int64_t L, int64_t M, float *delta, float *residual,
+                               const float *cos, const float *sin, const int64_t *slots, int64_t page_size,
+                               const lowbit_kv_side *k_sides, const lowbit_kv_side *v_sides, const float *write_rot,
+                               const float *attn_rot, const int64_t *ctx, const int64_t *tables, const int64_t *toff,
+                               int64_t window, float scale, int nthreads) {
+    const lowbit_block *b0 = blocks;
+    const int64_t D = b0->head_dim, H = b0->n_heads, Hkv = b0->n_kv_heads, W = (H + 2 * Hkv) * D;
+    float *qkv = malloc(sizeof(float) * (size_t)(M * W)), *attn = malloc(sizeof(float) * (size_t)(M * H * D));
+    int rc = qkv && attn ? 0 : -2;
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        const lowbit_block *b = blocks + l;
+        rc = lowbit_block_pre(b, M, delta, residual, l > 0, cos, sin, qkv, nthreads);
+        if (rc == 0) rc = lowbit_kv_write(qkv + H * D, W, M, Hkv, D, slots, page_size, k_sides + l, write_rot);
+        if (rc == 0) rc = lowbit_kv_write(qkv + (H + Hkv) * D, W, M, Hkv, D, slots, page_size, v_sides + l, write_rot);
+        if (rc == 0)
+            rc = lowbit_paged_decode_attention(qkv, W, M, H, Hkv, D, ctx, tables, toff, page_size, k_sides + l,
+                                               v_sides + l, attn_rot, window, scale, attn, nthreads);
         if (rc == 0) rc = lowbit_block_post(b, M, attn, residual, delta, nthreads);
     }
     free(qkv);

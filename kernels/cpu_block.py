@@ -150,3 +150,27 @@ class FusedLayers:
             raise ValueError("cpu fused layers: a position outside the cache" if rc == -1 else
                              f"cpu fused layers failed with status {rc}")
         return delta, residual
+
+    def decode_paged(self, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                     pool, k_sides: list, v_sides: list, write_rot: torch.Tensor | None,
+                     attn_rot: torch.Tensor | None, c_args: tuple, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of one-token rows over the paged pool in one C call (cpu_block.c
+        lowbit_decode_paged_layers): delta fp32 [M, dim] (the embeddings; overwritten), cos/sin fp32
+        [M, D], slots int64 [M], the pool's sides per layer as (bits, group, tensors), c_args = (ctx,
+        tables, toff) int64 as models/attention.py plans them → (last block's output, residual)."""
+        M = delta.shape[0]
+        d = self.blocks[0].desc
+        _check("delta", delta, (M, self.dim))
+        for name, t in (("cos", cos), ("sin", sin)):
+            _check(name, t, (M, d.head_dim))
+        ctx, tables, toff = c_args
+        if not (slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (M,) and len(k_sides) ==
+                len(v_sides) == len(self.blocks) and ctx.shape == toff.shape == (M,)):
+            raise ValueError(f"cpu fused layers: unsupported paged step of {M} rows")
+        residual = torch.empty(M, self.dim)
+        rc = cpu_native.native().decode_paged_layers(self.array, M, delta, residual, cos, sin, slots, pool.page_size,
+                                                     k_sides, v_sides, write_rot, attn_rot, ctx, tables, toff,
+                                                     window, d.head_dim)
+        if rc:
+            raise ValueError(f"cpu fused layers (paged) failed with status {rc}")
+        return delta, residual

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_wq_mm.c", "cpu_block.c", "cpu_attention.c")]
+HEADER = Path(__file__).with_name("cpu_kernels.h")  # the structs and cross-file prototypes
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -100,6 +101,8 @@ class NativeKernels:
                                                 ptr, i64, f32, ptr, ctypes.c_int]
         side = ctypes.POINTER(_KVSide)
         lib.lowbit_kv_write.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, side, ptr]
+        lib.lowbit_decode_paged_layers.argtypes = [blk, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, side, side, ptr, ptr,
+                                                   ptr, ptr, ptr, i64, f32, ctypes.c_int]
         lib.lowbit_paged_decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, side, side,
                                                       ptr, i64, f32, ptr, ctypes.c_int]
 
@@ -230,6 +233,20 @@ class NativeKernels:
                                              cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), S, pos.data_ptr(),
                                              window or 0, D ** -0.5, torch.get_num_threads())
 
+    def decode_paged_layers(self, blocks, M: int, delta: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, slots: torch.Tensor, page_size: int, k_sides: list, v_sides: list,
+                            write_rot: torch.Tensor | None, attn_rot: torch.Tensor | None, ctx: torch.Tensor,
+                            tables: torch.Tensor, toff: torch.Tensor, window: int | None, D: int) -> int:
+        """Every block of a decode step over the paged pool (cpu_block.c): blocks a ctypes array of
+        _Block; k_sides/v_sides one (bits, group, tensors) per layer. Returns the C status."""
+        ks = (_KVSide * len(k_sides))(*[self._side(*s, D) for s in k_sides])
+        vs = (_KVSide * len(v_sides))(*[self._side(*s, D) for s in v_sides])
+        return self.lib.lowbit_decode_paged_layers(
+            blocks, len(blocks), M, delta.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            slots.data_ptr(), page_size, ks, vs, None if write_rot is None else write_rot.data_ptr(),
+            None if attn_rot is None else attn_rot.data_ptr(), ctx.data_ptr(), tables.data_ptr(), toff.data_ptr(),
+            window or 0, D ** -0.5, torch.get_num_threads())
+
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                          cache_v: torch.Tensor, pos: torch.Tensor, window: int | None) -> torch.Tensor:
         """One new token per sequence (cpu_attention.c): q [B, H, D], k/v [B, Hkv, D] fp32 (heads
@@ -344,7 +361,7 @@ def _build() -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc) on PATH")
-    src = b"".join(s.read_bytes() for s in SOURCES)
+    src = b"".join(s.read_bytes() for s in (*SOURCES, HEADER))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(src + version.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
     import platformdirs  # here, not at import: kernels stay importable without it

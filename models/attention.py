@@ -154,6 +154,17 @@ class PagedAttention:
             self.c_rows = slice(None) if rows == list(range(starts[-1])) else torch.tensor(rows)
             self.c_args = (torch.tensor(ctx), torch.cat(tables).to(torch.int64).cpu(), torch.tensor(toff))
 
+    def all_rows_in_c(self) -> bool:
+        """Whether every row of the step is one token's query that the C kernel attends (a decode step
+        on CPU with the C kernels): the model may then run the whole step in one C call."""
+        return not self.fused and isinstance(self.c_rows, slice)
+
+    def layer_sides(self) -> tuple[list, list]:
+        """Per layer, the pool's K and V sides as (bits, group, tensors), for the one-call step."""
+        fmt, D = self.pool.fmt, self.pool.head_dim
+        kg, vg = fmt.group(fmt.k_bits, fmt.k_group, D), fmt.group(fmt.v_bits, fmt.v_group, D)
+        return ([(fmt.k_bits, kg, s["k"]) for s in self.pool.sides], [(fmt.v_bits, vg, s["v"]) for s in self.pool.sides])
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [M, H, D], k/v [M, Hkv, D] → fp32 [M, H*D]."""
         if self.fused:

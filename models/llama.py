@@ -189,10 +189,16 @@ class Llama(nn.Module):
         dtype = torch.float32 if exact is True else self.backend.dtype
         delta, residual = self.embed(tokens).to(dtype), None  # [M, dim]
         M = delta.shape[0]
-        if self.fused_layers is not None and isinstance(attend, ContiguousAttention) and attend.one_token_in_c(M) \
-                and (exact is False or (exact is None and M < EXACT_MIN_ROWS)) and FusedLayers.ready():
+        one_call = self.fused_layers is not None and (exact is False or (exact is None and M < EXACT_MIN_ROWS)) \
+            and FusedLayers.ready()
+        if one_call and isinstance(attend, ContiguousAttention) and attend.one_token_in_c(M):
             delta, residual = self.fused_layers.decode(delta.contiguous(), cos.contiguous(), sin.contiguous(),
                                                        attend.cache.k, attend.cache.v, attend.positions, attend.window)
+        elif one_call and isinstance(attend, PagedAttention) and attend.all_rows_in_c():
+            pool = attend.pool
+            delta, residual = self.fused_layers.decode_paged(
+                delta.contiguous(), cos.contiguous(), sin.contiguous(), attend.batch.slots.to(torch.int64).contiguous(),
+                pool, *attend.layer_sides(), pool.rot, attend.rot, attend.c_args, attend.window)
         else:
             for i, layer in enumerate(self.layers):
                 delta, residual = layer(delta, residual, i, cos, sin, attend, exact, dtype)

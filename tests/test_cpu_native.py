@@ -369,3 +369,53 @@ def test_one_call_step_equals_the_block_by_block_step(weights, bias):
     (a, ca), (b, cb) = run(True), run(False)
     assert torch.equal(a, b) and torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
     assert torch.isfinite(a).all() and ca.k[:, :, :, 8].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kv", ["f16", "k8v4", "k4v4"])
+def test_one_call_paged_step_equals_the_block_by_block_step(kv):
+    """A decode step over the paged, quantized pool in one C call (every block: fused halves,
+    quantize-on-write, paged attention) gives the logits and the pool contents, bit for bit, that the
+    block-by-block path gives; a step with a prefill chunk in it takes the block-by-block path."""
+    from lowbit.models.attention import PagedAttention, PagedBatch
+    from lowbit.quant.kv import KV_FORMATS
+    from lowbit.runtime.kv_cache import KVPool
+
+    _kernels()
+    model = _tiny_model("int4-g32")
+    c, P = model.config, 4
+    g = torch.Generator().manual_seed(6)
+    ctxs = [5, 9, 2]  # tokens cached per sequence before the step
+    tables = [torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5]), torch.tensor([6, 7])]
+
+    def step(one_call: bool, news: list[int]):
+        saved = model.fused_layers
+        model.fused_layers = saved if one_call else None
+        try:
+            pool = KVPool(KV_FORMATS[kv], c.n_layers, c.n_kv_heads, c.head_dim, num_pages=8, page_size=P)
+            for layer in range(c.n_layers):  # the same cached tokens each time
+                gen = torch.Generator().manual_seed(layer)
+                for t, n in zip(tables, ctxs):
+                    pos = torch.arange(n)
+                    pool.write(layer, torch.randn(n, c.n_kv_heads, c.head_dim, generator=gen),
+                               torch.randn(n, c.n_kv_heads, c.head_dim, generator=gen), t[pos // P] * P + pos % P)
+            pos = torch.cat([torch.arange(n, n + m) for n, m in zip(ctxs, news)])
+            slots = torch.cat([t[p // P] * P + p % P for t, p in zip(tables, pos.split(news))])
+            batch = PagedBatch(pos, slots, news, [n + m for n, m in zip(ctxs, news)], tables,
+                               torch.arange(sum(news)))
+            attend_all_c = PagedAttention(pool, batch, None).all_rows_in_c()
+            with torch.inference_mode():
+                logits = model.forward_paged(tokens, batch, pool, exact=False)
+            return logits, pool, attend_all_c
+        finally:
+            model.fused_layers = saved
+
+    tokens = torch.randint(0, 80, (3,), generator=g)
+    (a, pa, all_c), (b, pb, _) = step(True, [1, 1, 1]), step(False, [1, 1, 1])
+    assert all_c and torch.equal(a, b)
+    for la, lb in zip(pa.sides, pb.sides):
+        for side in ("k", "v"):
+            for key in la[side]:
+                assert torch.equal(la[side][key], lb[side][key]), (side, key)
+    tokens = torch.randint(0, 80, (5,), generator=g)
+    (a, _, all_c), (b, _, _) = step(True, [1, 3, 1]), step(False, [1, 3, 1])
+    assert not all_c and torch.equal(a, b)
