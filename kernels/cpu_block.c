@@ -11,10 +11,14 @@
  * the fused calls run, so a row computed by the fused path equals, bit for bit, the row the unfused
  * path gives (the engine mixes both in one step: prompt rows exact, generated rows fast).
  *
+ * Last, a whole single-token step in one call — lowbit_decode_layers over the contiguous cache,
+ * lowbit_decode_paged_layers over the paged pool — runs these halves and cpu_attention.c's kernels
+ * for every layer in the order the per-block path calls them, so it is bit-identical to that path.
+ *
  * Every op works row by row in an order fixed by this code: a row's result never depends on the
  * other rows of the call (speculative verification and batching rely on it).
- * Built with cpu_wq_mm.c into one library (kernels/cpu_native.py); -std=c11 keeps GCC from
- * contracting a*b + c into FMAs, so rotary equals the fp32 torch reference exactly.
+ * Built with cpu_wq_mm.c and cpu_attention.c into one library (kernels/cpu_native.py); -std=c11 keeps
+ * GCC from contracting a*b + c into FMAs, so rotary equals the fp32 torch reference exactly.
  */
 #include <math.h>
 #include <stdint.h>

@@ -62,15 +62,12 @@ class FusedBlock:
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """delta fp32 [M, dim], residual fp32 [M, dim] (updated in place) or None (first block), cos/sin
         fp32 [M, D] → (qkv fp32 [M, (H + 2 Hkv) D] with q and k rotated, residual)."""
-        M = delta.shape[0]
-        _check("delta", delta, (M, self.dim))
+        M = _check_rows(delta, cos, sin, self.dim, self.desc.head_dim)
         has_res = residual is not None
         if has_res:
             _check("residual", residual, (M, self.dim))
         else:
             residual = torch.empty(M, self.dim)
-        for name, t in (("cos", cos), ("sin", sin)):
-            _check(name, t, (M, self.desc.head_dim))
         qkv = torch.empty(M, self.width)
         rc = cpu_native.native().block_pre(self.desc, M, delta, residual, has_res, cos, sin, qkv)
         if rc:
@@ -87,6 +84,15 @@ class FusedBlock:
         if rc:
             raise RuntimeError(f"cpu fused block (post) failed with status {rc}")
         return delta
+
+
+def _check_rows(delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int, head_dim: int) -> int:
+    """A step's input rows: delta fp32 [M, dim], cos/sin fp32 [M, D] → M."""
+    M = delta.shape[0]
+    _check("delta", delta, (M, dim))
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check(name, t, (M, head_dim))
+    return M
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
@@ -132,11 +138,8 @@ class FusedLayers:
                cache_v: torch.Tensor, positions: torch.Tensor, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """delta fp32 [B, dim] (the embeddings; overwritten), cos/sin fp32 [B, D], the cache fp32 [L, B, Hkv,
         S, D], positions int64 [B] → (last block's output, residual), fp32 [B, dim]."""
-        B = delta.shape[0]
         d = self.blocks[0].desc
-        _check("delta", delta, (B, self.dim))
-        for name, t in (("cos", cos), ("sin", sin)):
-            _check(name, t, (B, d.head_dim))
+        B = _check_rows(delta, cos, sin, self.dim, d.head_dim)
         L, Bc, Hkv, S, D = cache_k.shape
         if (L, Bc, Hkv, D) != (len(self.blocks), B, d.n_kv_heads, d.head_dim) or cache_k.stride() != cache_v.stride() \
                 or cache_k.stride(3) != D or cache_k.stride(4) != 1 or cache_k.dtype != torch.float32 \
@@ -152,23 +155,20 @@ class FusedLayers:
         return delta, residual
 
     def decode_paged(self, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                     pool, k_sides: list, v_sides: list, write_rot: torch.Tensor | None,
+                     page_size: int, k_sides: list, v_sides: list, write_rot: torch.Tensor | None,
                      attn_rot: torch.Tensor | None, c_args: tuple, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step of one-token rows over the paged pool in one C call (cpu_block.c
         lowbit_decode_paged_layers): delta fp32 [M, dim] (the embeddings; overwritten), cos/sin fp32
-        [M, D], slots int64 [M], the pool's sides per layer as (bits, group, tensors), c_args = (ctx,
+        [M, D], slots int64 [M], the pool's page size and its sides per layer as (bits, group, tensors), c_args = (ctx,
         tables, toff) int64 as models/attention.py plans them → (last block's output, residual)."""
-        M = delta.shape[0]
         d = self.blocks[0].desc
-        _check("delta", delta, (M, self.dim))
-        for name, t in (("cos", cos), ("sin", sin)):
-            _check(name, t, (M, d.head_dim))
+        M = _check_rows(delta, cos, sin, self.dim, d.head_dim)
         ctx, tables, toff = c_args
         if not (slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (M,) and len(k_sides) ==
                 len(v_sides) == len(self.blocks) and ctx.shape == toff.shape == (M,)):
             raise ValueError(f"cpu fused layers: unsupported paged step of {M} rows")
         residual = torch.empty(M, self.dim)
-        rc = cpu_native.native().decode_paged_layers(self.array, M, delta, residual, cos, sin, slots, pool.page_size,
+        rc = cpu_native.native().decode_paged_layers(self.array, M, delta, residual, cos, sin, slots, page_size,
                                                      k_sides, v_sides, write_rot, attn_rot, ctx, tables, toff,
                                                      window, d.head_dim)
         if rc:

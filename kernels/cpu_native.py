@@ -1,13 +1,13 @@
-"""lowbit's C kernels for the CPU decode path, built on first use into one library and called through
-ctypes: the decode-sized weight-only matmul (kernels/cpu_wq_mm.c), the small per-row ops of a block
-and its two fused halves (kernels/cpu_block.c, driven by kernels/cpu_block.py), and decode attention
-over the contiguous fp32 cache (kernels/cpu_attention.c).
+"""lowbit's C kernels for the CPU path, built on first use into one library and called through ctypes:
+the decode-sized weight-only matmul and the exact path's weight tiles (kernels/cpu_wq_mm.c); the
+small per-row ops of a block, its two fused halves, and a whole single-token step in one call over
+either cache (kernels/cpu_block.c, driven by kernels/cpu_block.py); decode attention over the
+contiguous cache, attention straight from the paged quantized pool, and quantize-on-write
+(kernels/cpu_attention.c). The files share their structs through kernels/cpu_kernels.h.
 
-The small ops and the fused halves exist because, once the matmul was in C, a single-token step of
-the default model (2 threads) spent ~24 of its ~38 ms on ~130 small torch ops per layer and their
-Python; fusing each block into two calls took the step to ~20 ms, and writing K/V and attending in
-C (in place of a slice assignment and SDPA) to ~17.5 ms (one-off timings, 64 tokens after a
-21-token prompt; tests/bench/decode_prefill.py measures the loop against llama.cpp).
+Everything but the matmul exists because, once the matmul was in C, a single-token step of the
+default model (2 threads) spent ~24 of its ~38 ms on ~130 small torch ops per layer and their
+Python; docs/perf.md ("Levers pulled", 5-12) has each piece's measured effect.
 
 Why C, in a package otherwise made of torch and Triton: torch's fused CPU weight-only kernels
 (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) take bf16 activations and their cost grows
@@ -137,7 +137,6 @@ class NativeKernels:
             raise ValueError(f"cpu int8 kernel refused M={M} N={N} G={G} g={g}")
         return y
 
-
     # The exact path's weight tiles, bit-identical to the torch specs (kernels/int4_mm.py
     # dequantize_packed_t, int8_mm.py Int8Packed.dequantize): one pass instead of ~10 torch ops over
     # the tile (one exact pass over the default model's weights: ~0.4 s of dequantizing in torch).
@@ -207,7 +206,6 @@ class NativeKernels:
         self.lib.lowbit_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), M, n, out.data_ptr())
         return out
 
-
     # The fused halves of a block (cpu_block.c; kernels/cpu_block.py builds the descriptor and checks
     # shapes). Both return the C code's status: 0, or non-zero for a refused shape / failed allocation.
 
@@ -220,7 +218,6 @@ class NativeKernels:
                    delta: torch.Tensor) -> int:
         return self.lib.lowbit_block_post(ctypes.byref(block), M, attn.data_ptr(), residual.data_ptr(),
                                           delta.data_ptr(), torch.get_num_threads())
-
 
     def decode_layers(self, blocks, M: int, delta: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pos: torch.Tensor,
@@ -270,7 +267,6 @@ class NativeKernels:
             raise ValueError("cpu decode attention: a position outside the cache" if rc == -1 else
                              "cpu decode attention: out of memory")
         return out
-
 
     def paged_decode_attention(self, q: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, toff: torch.Tensor,
                                page_size: int, k_side: tuple[int, int, dict], v_side: tuple[int, int, dict],

@@ -69,9 +69,14 @@ class ContiguousAttention:
             else:
                 self.positions = start.to(torch.int64).contiguous()
 
-    def one_token_in_c(self, M: int) -> bool:
-        """Whether this step (M rows) is one token per sequence that the C decode attention takes."""
+    def all_rows_in_c(self, M: int) -> bool:
+        """Whether this step (M rows) is one token per sequence that the C decode attention takes: the
+        model may then run the whole step in one C call (`run_layers`)."""
         return self.native is not None and M == self.cache.k.shape[1]
+
+    def run_layers(self, layers, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Every block of the step in one C call over this cache (kernels/cpu_block.py FusedLayers)."""
+        return layers.decode(delta, cos, sin, self.cache.k, self.cache.v, self.positions, self.window)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [M, H, D], k/v [M, Hkv, D] (M = B*T) → attention output fp32 [M, H*D]."""
@@ -154,16 +159,21 @@ class PagedAttention:
             self.c_rows = slice(None) if rows == list(range(starts[-1])) else torch.tensor(rows)
             self.c_args = (torch.tensor(ctx), torch.cat(tables).to(torch.int64).cpu(), torch.tensor(toff))
 
-    def all_rows_in_c(self) -> bool:
-        """Whether every row of the step is one token's query that the C kernel attends (a decode step
-        on CPU with the C kernels): the model may then run the whole step in one C call."""
+    def all_rows_in_c(self, M: int) -> bool:
+        """Whether every row of the step (M = all of the batch's) is one token's query that the C kernel
+        attends (a decode step on CPU with the C kernels): the model may then run the whole step in
+        one C call (`run_layers`)."""
         return not self.fused and isinstance(self.c_rows, slice)
 
-    def layer_sides(self) -> tuple[list, list]:
-        """Per layer, the pool's K and V sides as (bits, group, tensors), for the one-call step."""
-        fmt, D = self.pool.fmt, self.pool.head_dim
+    def run_layers(self, layers, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Every block of the step in one C call over the pool (kernels/cpu_block.py FusedLayers):
+        quantize-on-write and paged attention per layer, as `__call__` does them."""
+        pool, fmt, D = self.pool, self.pool.fmt, self.pool.head_dim
         kg, vg = fmt.group(fmt.k_bits, fmt.k_group, D), fmt.group(fmt.v_bits, fmt.v_group, D)
-        return ([(fmt.k_bits, kg, s["k"]) for s in self.pool.sides], [(fmt.v_bits, vg, s["v"]) for s in self.pool.sides])
+        k_sides = [(fmt.k_bits, kg, s["k"]) for s in pool.sides]  # per layer: (bits, group, tensors)
+        v_sides = [(fmt.v_bits, vg, s["v"]) for s in pool.sides]
+        return layers.decode_paged(delta, cos, sin, self.batch.slots.to(torch.int64).contiguous(), pool.page_size,
+                                   k_sides, v_sides, pool.rot, self.rot, self.c_args, self.window)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [M, H, D], k/v [M, Hkv, D] → fp32 [M, H*D]."""

@@ -189,16 +189,12 @@ class Llama(nn.Module):
         dtype = torch.float32 if exact is True else self.backend.dtype
         delta, residual = self.embed(tokens).to(dtype), None  # [M, dim]
         M = delta.shape[0]
-        one_call = self.fused_layers is not None and (exact is False or (exact is None and M < EXACT_MIN_ROWS)) \
-            and FusedLayers.ready()
-        if one_call and isinstance(attend, ContiguousAttention) and attend.one_token_in_c(M):
-            delta, residual = self.fused_layers.decode(delta.contiguous(), cos.contiguous(), sin.contiguous(),
-                                                       attend.cache.k, attend.cache.v, attend.positions, attend.window)
-        elif one_call and isinstance(attend, PagedAttention) and attend.all_rows_in_c():
-            pool = attend.pool
-            delta, residual = self.fused_layers.decode_paged(
-                delta.contiguous(), cos.contiguous(), sin.contiguous(), attend.batch.slots.to(torch.int64).contiguous(),
-                pool, *attend.layer_sides(), pool.rot, attend.rot, attend.c_args, attend.window)
+        if self.fused_layers is not None and (exact is False or (exact is None and M < EXACT_MIN_ROWS)) \
+                and FusedLayers.ready() and attend.all_rows_in_c(M):
+            # every row one token's query on the C kernels: the whole step in one C call, the same
+            # arithmetic as block by block (kernels/cpu_block.py)
+            delta, residual = attend.run_layers(self.fused_layers, delta.contiguous(), cos.contiguous(),
+                                                sin.contiguous())
         else:
             for i, layer in enumerate(self.layers):
                 delta, residual = layer(delta, residual, i, cos, sin, attend, exact, dtype)

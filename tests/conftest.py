@@ -141,6 +141,17 @@ class ByteTokenizer:
         return [min(ord(ch) - 32, 99) for ch in text]
 
 
+@pytest.fixture
+def c_kernels():
+    """The module of lowbit's C kernels (kernels/cpu_native.py), skipping where they do not build:
+    tests/test_cpu_native.py::test_builds_where_it_should fails on any machine where they must."""
+    from lowbit.kernels import cpu_native
+
+    if cpu_native.native() is None:
+        pytest.skip("the C kernels do not build here (tests/test_cpu_native.py says whether they must)")
+    return cpu_native
+
+
 @pytest.fixture(params=["c", "torch"])
 def decode_kernel(request, monkeypatch) -> str:
     """Decode-sized CPU matmuls (and the small ops and fused blocks) run lowbit's C kernels
@@ -150,8 +161,8 @@ def decode_kernel(request, monkeypatch) -> str:
 
     if request.param == "torch":
         monkeypatch.setattr(cpu_native, "native", lambda: None)
-    elif cpu_native.native() is None:
-        pytest.skip("the C kernels do not build here (tests/test_cpu_native.py says whether they must)")
+    else:
+        request.getfixturevalue("c_kernels")
     return request.param
 
 

@@ -402,7 +402,7 @@ def test_one_call_paged_step_equals_the_block_by_block_step(kv):
             slots = torch.cat([t[p // P] * P + p % P for t, p in zip(tables, pos.split(news))])
             batch = PagedBatch(pos, slots, news, [n + m for n, m in zip(ctxs, news)], tables,
                                torch.arange(sum(news)))
-            attend_all_c = PagedAttention(pool, batch, None).all_rows_in_c()
+            attend_all_c = PagedAttention(pool, batch, None).all_rows_in_c(batch.num_tokens)
             with torch.inference_mode():
                 logits = model.forward_paged(tokens, batch, pool, exact=False)
             return logits, pool, attend_all_c

@@ -129,22 +129,18 @@ def _paged_step_case(name, monkeypatch, together: bool, window=None, one_by_one=
 @pytest.mark.parametrize("name", ["f16", "k8v8", "k8v4", "k4v4"])
 @pytest.mark.parametrize("window,one_by_one", [(None, None), (4, None), (None, [False, True, False, True, False])],
                          ids=["plain", "window", "speculative-rows"])
-def test_c_paged_attention_matches_dequantize_and_sdpa(name, window, one_by_one, monkeypatch):
+def test_c_paged_attention_matches_dequantize_and_sdpa(name, window, one_by_one, monkeypatch, c_kernels):
     """The C kernel that attends one-token rows straight from the quantized pages (rotated q and
     output for k8v8/k8v4/k4v4) against the plain-torch path (pages gathered, dequantized, SDPA) on
     the same pool: decode rows, a sliding window, and speculative rows attended one by one."""
-    from lowbit.kernels import cpu_native
-
-    if cpu_native.native() is None:
-        pytest.skip("the C kernels do not build here (tests/test_cpu_native.py says whether they must)")
     got = _paged_step_case(name, monkeypatch, together=False, window=window, one_by_one=one_by_one)
-    monkeypatch.setattr(cpu_native, "native", lambda: None)
+    monkeypatch.setattr(c_kernels, "native", lambda: None)
     want = _paged_step_case(name, monkeypatch, together=False, window=window, one_by_one=one_by_one)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("name,rotate", [("f16", False)] + [(n, r) for n in ("k8v8", "k8v4", "k4v4") for r in (False, True)])
-def test_c_quantize_on_write_matches_the_specs(name, rotate, monkeypatch):
+def test_c_quantize_on_write_matches_the_specs(name, rotate, monkeypatch, c_kernels):
     """KVPool.write through the C kernel against the plain-torch specs (kernels/kv_quant.py) on the
     same tokens, K/V as strided views of one QKV row: without the rotation every code, scale and min
     is bit-identical (the same fp32 arithmetic, fp16 scales, round half to even); with it the rotation
@@ -152,10 +148,6 @@ def test_c_quantize_on_write_matches_the_specs(name, rotate, monkeypatch):
     to within one quantization step and almost all codes are equal."""
     from dataclasses import replace
 
-    from lowbit.kernels import cpu_native
-
-    if cpu_native.native() is None:
-        pytest.skip("the C kernels do not build here (tests/test_cpu_native.py says whether they must)")
     fmt = KV_FORMATS[name] if rotate else replace(KV_FORMATS[name], rotate=False)
     Hkv, D, P, M = 2, 64, 4, 11
     g = torch.Generator().manual_seed(2)
@@ -166,7 +158,7 @@ def test_c_quantize_on_write_matches_the_specs(name, rotate, monkeypatch):
     pools = []
     for hide in (False, True):
         if hide:
-            monkeypatch.setattr(cpu_native, "native", lambda: None)
+            monkeypatch.setattr(c_kernels, "native", lambda: None)
         pools.append(KVPool(fmt, 1, Hkv, D, num_pages=8, page_size=P))
         pools[-1].write(0, k, v, slots)
     c, ref = pools
