@@ -26,8 +26,8 @@ output row's arithmetic is independent of the other rows (tests/test_cpu_native.
 bit), which speculative decoding needs.
 
 Building: `cc -O3 -march=native -fopenmp -shared` into the user cache directory (platformdirs),
-keyed by the source, the compiler and the CPU's flags, so a new source or another CPU rebuilds
-(under a second). OpenMP: torch's wheel ships `libgomp.so.1` and has loaded it before this
+keyed by the sources, the compiler and the CPU's flags, so a new source or another CPU rebuilds
+(~4 s for the three files on this project's 2-core machine, once). OpenMP: torch's wheel ships `libgomp.so.1` and has loaded it before this
 library is opened, so both share one OpenMP runtime and its thread pool (two runtimes would spin
 against each other on 2 cores).
 
