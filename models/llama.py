@@ -9,6 +9,10 @@ fewer (decode); `exact=True` forces exact fp32 everywhere, on CUDA too (see kern
 kernels/wq_mm.py and runtime/generate.py's verified greedy).
 
 Activations run token-major, [M, dim] with M = B * T, which is the shape every kernel takes.
+
+Under tensor parallelism (`--tp N`, runtime/tp.py) each process builds this model from its slices of
+the weights (models/sharding.py): its blocks compute its heads and MLP columns, `wo` and `w_down`
+are all-reduced, the embedding rows are summed over ranks and the logits gathered on rank 0.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from lowbit.models.attention import ContiguousAttention, PagedAttention, PagedBa
 from lowbit.models.backend import Backend, torch_backend
 from lowbit.models.config import LlamaConfig
 from lowbit.models.rope import inv_frequencies, rope_tables
+from lowbit.models.sharding import TPGroup
 from lowbit.quant.linear import ExactRows, QuantEmbedding, QuantLinear, fuse_rows
 
 
@@ -72,11 +77,14 @@ class Projections(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig, w: dict, prefix: str, backend: Backend):
+    def __init__(self, config: LlamaConfig, w: dict, prefix: str, backend: Backend, tp: TPGroup | None = None):
+        """config: the shapes this process computes (under tensor parallelism, one rank's heads and
+        MLP slice: models/sharding.py); tp: the group whose partial sums wo and w_down all-reduce."""
         super().__init__()
         c = config
         self.c = c
         self.ops = backend
+        self.tp = tp
         self.register_buffer("attn_norm", w[prefix + "attn_norm"].float().to(backend.device), persistent=False)
         self.register_buffer("ffn_norm", w[prefix + "ffn_norm"].float().to(backend.device), persistent=False)
         self.qkv = Projections([w[prefix + n] for n in ("wq", "wk", "wv")],
@@ -87,8 +95,10 @@ class Block(nn.Module):
         self.fused = self._fused_block(backend)
 
     def _fused_block(self, backend: Backend):
-        """The backend's two-call form of this block (CPU decode), when its weights allow one."""
-        if backend.fused_block is None or len(self.qkv.parts) != 1 or len(self.gate_up.parts) != 1:
+        """The backend's two-call form of this block (CPU decode), when its weights allow one (not
+        under tensor parallelism: the all-reduce falls between its O projection and the residual)."""
+        if self.tp is not None or backend.fused_block is None or len(self.qkv.parts) != 1 \
+                or len(self.gate_up.parts) != 1:
             return None
         c = self.c
         qkv, gate_up = self.qkv.parts[0], self.gate_up.parts[0]
@@ -116,22 +126,31 @@ class Block(nn.Module):
         q, k = ops.rotary(q.view(M, c.n_heads, c.head_dim), k.view(M, c.n_kv_heads, c.head_dim), cos, sin)
         attn = attend(layer, q, k, v.view(M, c.n_kv_heads, c.head_dim))  # fp32 [M, H*D]
         o = self.wo(attn.to(dtype), exact)  # [M, dim]
+        if self.tp is not None:  # each rank multiplied its heads' columns: sum the partial products
+            o = self.tp.all_reduce(o)
         h, residual = ops.add_rms_norm(o, residual, self.ffn_norm, c.norm_eps, dtype)
         gate, up = self.gate_up(h, exact)
-        return self.w_down(ops.silu_mul(gate, up), exact), residual
+        out = self.w_down(ops.silu_mul(gate, up), exact)  # [M, dim]
+        return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
 
 class Llama(nn.Module):
     """Built from a config and a dict of weight layouts (names as runtime/gguf_loader.py gives),
-    on the backend's device."""
+    on the backend's device. With `tp`, the weights are one rank's slices (models/sharding.py) and
+    forward passes all-reduce and gather across the group; `config` stays the whole model's."""
 
-    def __init__(self, config: LlamaConfig, weights: dict, backend: Backend | None = None):
+    def __init__(self, config: LlamaConfig, weights: dict, backend: Backend | None = None, tp: TPGroup | None = None):
         super().__init__()
         backend = backend or torch_backend()
         self.config = config
         self.backend = backend
+        self.tp = tp
+        local = config if tp is None else tp.shard.local_config(config)
+        self.kv_heads = local.n_kv_heads  # KV heads this process caches
+        # the token ids [v0, v1) whose embedding rows (and logits) this process holds
+        self.vocab_range = (0, config.vocab_size) if tp is None else tp.shard.vocab_range(config.vocab_size)
         self.embed = QuantEmbedding(weights["embed"], backend.linear)
-        self.layers = nn.ModuleList(Block(config, weights, f"layers.{i}.", backend) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(local, weights, f"layers.{i}.", backend, tp) for i in range(config.n_layers))
         self.register_buffer("norm", weights["norm"].float().to(backend.device), persistent=False)
         if "output" in weights:
             self.output = QuantLinear(weights["output"], backend.linear)
@@ -187,7 +206,7 @@ class Llama(nn.Module):
         """tokens [M] → logits fp32 [M, V], or [len(rows), V] for the rows asked for. `exact` may
         choose per row (ExactRows); activations are then in the backend's dtype (fp32 on CPU)."""
         dtype = torch.float32 if exact is True else self.backend.dtype
-        delta, residual = self.embed(tokens).to(dtype), None  # [M, dim]
+        delta, residual = self._embed(tokens).to(dtype), None  # [M, dim]
         M = delta.shape[0]
         if self.fused_layers is not None and (exact is False or (exact is None and M < EXACT_MIN_ROWS)) \
                 and FusedLayers.ready() and attend.all_rows_in_c(M):
@@ -205,7 +224,19 @@ class Llama(nn.Module):
             if isinstance(exact, ExactRows):
                 exact = exact.take(rows)
         h, _ = self.backend.add_rms_norm(delta, residual, self.norm, self.config.norm_eps, dtype)
-        return self.output(h, exact, torch.float32)  # fp32 logits: no fp16 rounding
+        logits = self.output(h, exact, torch.float32)  # fp32 logits: no fp16 rounding
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.config.vocab_size)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [M] → fp32 rows [M, dim]. Under tensor parallelism each rank holds a range of the
+        table: it looks up the ids in its range, zeros for the rest, and the sum over ranks is the row."""
+        if self.tp is None:
+            return self.embed(tokens)
+        v0, v1 = self.vocab_range
+        local, n = tokens - v0, v1 - v0
+        mine = (local >= 0) & (local < n)  # [M]
+        rows = self.embed(local.clamp(0, n - 1)).float() * mine[:, None]
+        return self.tp.all_reduce(rows)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token per sequence, each at its own position: tokens, positions int [B] → logits

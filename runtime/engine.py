@@ -87,7 +87,8 @@ class Engine:
             raise ValueError(f"the context size must be in 1..{c.max_seq_len} (the model's), got {max_model_len}")
         self.model, self.tok, self.exact = model, tokenizer, exact
         self.max_model_len = max_model_len or c.max_seq_len  # prompt + reply, in tokens
-        self.pool = KVPool.from_budget(parse_kv_format(kv_format), c.n_layers, c.n_kv_heads, c.head_dim,
+        # model.kv_heads: the heads this process caches (all of them, or one tensor-parallel rank's share)
+        self.pool = KVPool.from_budget(parse_kv_format(kv_format), c.n_layers, model.kv_heads, c.head_dim,
                                        kv_budget(kv_memory, model.device), page_size, model.device)
         self.blocks = BlockManager(self.pool.num_pages, page_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_step_tokens, max_waiting)

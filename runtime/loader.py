@@ -12,6 +12,7 @@ import torch
 from lowbit.models.backend import select_backend
 from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import Llama
+from lowbit.models.sharding import Shard, TPGroup, shard_weights
 from lowbit.quant import parse_weights
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.registry import resolve
@@ -46,10 +47,11 @@ def _progress_bar(total: int, desc: str, enabled: bool):
 
 
 def load(ref: str | None, weights: str = "auto", progress: bool | None = None, device: str = "auto",
-         dtype: str = "float16") -> LoadedModel:
+         dtype: str = "float16", shard: Shard | None = None) -> LoadedModel:
     """weights: `auto` (GGUF: lossless native layouts; safetensors: int4-g32) or a layout name.
     device: auto (CUDA when there is a GPU and Triton) | cpu | cuda[:N]; dtype: the activations'
-    on CUDA, float16 | bfloat16 (CPU computes in fp32)."""
+    on CUDA, float16 | bfloat16 (CPU computes in fp32). shard: build only this tensor-parallel
+    rank's slice of the model (models/sharding.py; runtime/tp.py starts the ranks)."""
     if progress is None:
         progress = sys.stderr.isatty()
     try:
@@ -99,9 +101,15 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         except ValueError as e:
             raise LowbitError(f"{path}: {e}") from None
         source, used = "gguf", weights
+    tp = None
+    if shard is not None:
+        try:
+            w, tp = shard_weights(config, w, shard), TPGroup(shard)
+        except ValueError as e:  # a split the model's shapes do not allow
+            raise LowbitError(f"{path.name}: {e}") from None
     try:
         with torch.no_grad():
-            model = Llama(config, w, backend).eval()
+            model = Llama(config, w, backend, tp).eval()
     except (RuntimeError, ValueError) as e:  # e.g. a torch build whose int4 packing lowbit does not know
         raise LowbitError(f"{path}: cannot build the model: {str(e).splitlines()[0]}") from None
     del w
