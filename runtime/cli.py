@@ -37,6 +37,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (cuda when a GPU and Triton are there, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
                    help="activation dtype on CUDA (default float16; the CPU path computes in fp32)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: run the model as N processes, each holding a slice of every layer "
+                        "(CPU, gloo; the threads are split among them; see docs/tp.md). Default 1")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

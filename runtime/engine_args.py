@@ -67,15 +67,25 @@ def check_engine_args(args) -> None:
         raise LowbitError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
 
 
+def load_model(ref, args, progress: bool | None = None):
+    """The model the flags name: one process, or `--tp N` ranks (runtime/tp.py)."""
+    if getattr(args, "tp", 1) != 1:
+        from lowbit.runtime.tp import load_tp
+
+        return load_tp(ref, args.weights, args.tp, progress, args.device, args.dtype, args.threads)
+    from lowbit.runtime.loader import load
+
+    return load(ref, args.weights, progress=progress, device=args.device, dtype=args.dtype)
+
+
 def load_served(args, kv_memory, progress: bool | None = None):
     """Load the model and build its engine → what the server serves (`lowbit serve`, `lowbit chat`)."""
     from lowbit.runtime.engine import AsyncEngine, Engine
-    from lowbit.runtime.loader import load
     from lowbit.runtime.server import Served
 
     spec = parse_speculative(args.speculative)
     model_ref = args.model_pos or args.model
-    lm = load(model_ref, args.weights, progress=progress, device=args.device, dtype=args.dtype)
+    lm = load_model(model_ref, args, progress)
     draft = load_draft(spec, lm, args.device, args.dtype)
     engine = Engine(lm.model, lm.tokenizer, kv_format=args.kv_cache, kv_memory=kv_memory,
                     max_num_seqs=args.max_num_seqs, max_model_len=args.ctx_size, speculative=spec, draft_model=draft)

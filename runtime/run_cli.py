@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from lowbit.runtime.engine_args import load_draft, parse_size, parse_speculative
+from lowbit.runtime.engine_args import load_draft, load_model, parse_size, parse_speculative
 from lowbit.runtime.errors import LowbitError
 
 
 def cmd_run(args) -> int:
-    from lowbit.runtime.loader import load
     from lowbit.runtime.sampler import SamplingParams
 
     prompt = args.prompt if args.prompt is not None else ("" if sys.stdin.isatty() else sys.stdin.read())
@@ -24,7 +23,7 @@ def cmd_run(args) -> int:
         raise LowbitError(str(e)) from None
     kv_memory = parse_size(args.kv_memory)
     spec = parse_speculative(args.speculative)
-    lm = load(args.model, args.weights, device=args.device, dtype=args.dtype)
+    lm = load_model(args.model, args)
     draft = load_draft(spec, lm, args.device, args.dtype)
     tok = lm.tokenizer
     if args.raw:
@@ -43,7 +42,8 @@ def cmd_run(args) -> int:
 
     spec_stats = None
     try:
-        if args.temperature == 0 and not args.fast_greedy and spec is None:
+        # verified greedy runs the contiguous cache in one process; with --tp, greedy goes through the engine
+        if args.temperature == 0 and not args.fast_greedy and spec is None and args.tp == 1:
             res, kv = _verified_greedy(lm, ids, args.max_tokens, write), "f32 (verified greedy)"
         else:
             res, spec_stats = _engine_run(lm, ids, params, args.kv_cache, kv_memory, write, spec, draft)
@@ -58,7 +58,8 @@ def cmd_run(args) -> int:
         speculated = (f", speculative {args.speculative}: no drafts" if s is None else
                       f", speculative {args.speculative}: {s.accepted}/{s.drafted} drafts accepted "
                       f"({100 * s.acceptance_rate:.0f}%), {s.tokens_per_pass:.2f} tokens per target pass")
-    print(f"[{lm.path.name} {lm.weights} {lm.model.device.type} kv {kv}] prompt {res.prompt_tokens} tokens, "
+    tp = f" tp {args.tp}" if args.tp > 1 else ""
+    print(f"[{lm.path.name} {lm.weights} {lm.model.device.type}{tp} kv {kv}] prompt {res.prompt_tokens} tokens, "
           f"TTFT {res.ttft_s * 1000:.0f} ms, "
           f"{len(res.token_ids)} tokens at {res.decode_tok_s:.1f} tok/s decode, finish: {res.finish_reason}{speculated}",
           file=sys.stderr)
