@@ -69,8 +69,7 @@ def load_tp(ref: str | None, weights: str, tp: int, progress: bool | None = None
         where = f", cores {groups}" if groups else ""
         print(f"lowbit: tensor parallel: starting ranks 1..{tp - 1} ({per_rank} threads each{where})", file=sys.stderr)
     init = f"tcp://127.0.0.1:{_free_port()}"
-    ctx = torch.multiprocessing.start_processes(_worker, args=(tp, init, str(path), weights, dtype, per_rank, groups),
-                                                nprocs=tp - 1, join=False, daemon=True, start_method="spawn")
+    ctx = _spawn(tp - 1, (tp, init, str(path), weights, dtype, per_rank, groups))
     model = TPModel(lm.model, ctx, _pin(groups, 0))  # pinned after the spawn: the ranks inherit no mask
     torch.set_num_threads(per_rank)
     try:
@@ -86,6 +85,27 @@ def load_tp(ref: str | None, weights: str, tp: int, progress: bool | None = None
         model.close()
         raise LowbitError(f"tensor-parallel rank {failed[0][0]} could not load the model: {failed[0][1]}")
     return dataclasses.replace(lm, model=model)
+
+
+def _spawn(n: int, args: tuple):
+    """Start ranks 1..n with torch.multiprocessing. multiprocessing's resource tracker hands
+    sys.stderr's file descriptor to its own process; under `lowbit chat`, Textual's stderr is not a
+    file (fileno() -1, and the spawn fails), so the real one stands in while the ranks start."""
+    saved = sys.stderr
+    try:
+        if not _has_fd(saved):
+            sys.stderr = sys.__stderr__
+        return torch.multiprocessing.start_processes(_worker, args=args, nprocs=n, join=False, daemon=True,
+                                                     start_method="spawn")
+    finally:
+        sys.stderr = saved
+
+
+def _has_fd(stream) -> bool:
+    try:
+        return stream.fileno() >= 0
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def _core_groups(world: int) -> list[list[int]] | None:

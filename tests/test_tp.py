@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -212,3 +213,27 @@ def test_killed_rank_makes_the_server_exit_fast(tmp_path):
     text = (tmp_path / "serve.log").read_text()
     assert code == 1 and time.time() - t0 < 10, text[-2000:]
     assert f"tensor-parallel rank 1 (pid {rank}) died (killed by SIGKILL)" in text, text[-2000:]
+
+
+def test_ranks_start_when_stderr_is_not_a_file(tmp_path):
+    """`lowbit chat` runs the model under Textual, whose sys.stderr has no file descriptor (fileno()
+    -1); multiprocessing's resource tracker would pass that to its process and the spawn failed
+    ("bad value(s) in fds_to_keep"). In a fresh process, where no tracker runs yet."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    script = tmp_path / "tui_stderr.py"
+    script.write_text(f'''
+import io, sys
+from lowbit.runtime.tp import load_tp
+
+class NoFile(io.StringIO):
+    def fileno(self):
+        return -1
+
+if __name__ == "__main__":
+    sys.stderr = NoFile()
+    lm = load_tp({str(path)!r}, "auto", 2, progress=False)
+    print(len(lm.model.pids))
+    lm.model.close()
+''')
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "1", r.stderr[-2000:]
