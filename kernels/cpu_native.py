@@ -45,6 +45,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -366,6 +367,8 @@ def _build() -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    if sys.stderr.isatty():  # a first run pauses here: say why (measured 4.4 s on 2 cores)
+        print("lowbit: building the C kernels for this CPU (once, a few seconds)", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build aside, then rename: concurrent builds are safe
         so = Path(tmp) / out.name
         r = subprocess.run([cc, *_FLAGS, *map(str, SOURCES), "-o", str(so), "-lm"], capture_output=True, text=True, timeout=120)

@@ -36,6 +36,27 @@ def test_builds_where_it_should():
     assert native() is not None
 
 
+def test_a_first_build_says_so_on_a_terminal(tmp_path, monkeypatch, c_kernels):
+    """The first run on a machine pauses for the build (~4 s): on a terminal it says why, once;
+    piped (scripts, tests, the server's log) it stays quiet."""
+    import io
+
+    from lowbit.kernels import cpu_native
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for cache, stream, says in ((tmp_path / "a", Tty(), True),  # a terminal, a fresh cache: builds, says so
+                                (tmp_path / "a", Tty(), False),  # built already: nothing to say
+                                (tmp_path / "b", io.StringIO(), False)):  # piped: builds quietly
+        monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert cpu_native._build().exists()
+        assert ("building the C kernels" in stream.getvalue()) == says, stream.getvalue()
+    assert len(list((tmp_path / "b").rglob("cpu_kernels-*.so"))) == 1
+
+
 def _kernels():
     k = native()
     if k is None:
