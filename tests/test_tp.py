@@ -61,9 +61,11 @@ def generate(model, tok, prompts: list[list[int]], max_tokens: int, **engine_kw)
 def assert_same_run(tp_model, one_model, tok, prompts, max_tokens, rtol: float, **engine_kw):
     """Greedy replies identical; then every step's logits within rtol of the largest logit."""
     a_steps, b_steps = recorded(tp_model), recorded(one_model)
-    a, engine = generate(tp_model, tok, prompts, max_tokens, **engine_kw)
-    b, _ = generate(one_model, tok, prompts, max_tokens, **engine_kw)
-    del one_model.forward_paged, tp_model.forward_paged
+    try:
+        a, engine = generate(tp_model, tok, prompts, max_tokens, **engine_kw)
+        b, _ = generate(one_model, tok, prompts, max_tokens, **engine_kw)
+    finally:  # the shared models get their own method back
+        del one_model.forward_paged, tp_model.forward_paged
     assert a == b
     assert len(a_steps) == len(b_steps) > 1
     for x, y in zip(a_steps, b_steps):
