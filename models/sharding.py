@@ -13,9 +13,9 @@ N ranks, rank r. With H query heads, Hkv KV heads, head size D, MLP width F and 
                                                 holds each id, the others add zeros), logits gathered
     norms, rope      whole, on every rank
 
-Slices are views of the loaded layouts: rows are whole output features, and columns are cut only
-at whole quantization groups, so every rank holds the same int4/int8 codes and scales a single
-process would. The KV cache follows the KV heads: each rank's pool holds only its Hkv/N heads.
+Slices are copied out of the loaded layouts (the whole model is loaded, then dropped): rows are
+whole output features, and columns are cut only at whole quantization groups, so every rank holds
+the same int4/int8 codes and scales a single process would. The KV cache follows the KV heads: each rank's pool holds only its Hkv/N heads.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def check_split(c: LlamaConfig, world: int, group_of) -> None:
 
 
 def shard_weights(c: LlamaConfig, weights: dict, shard: Shard) -> dict:
-    """The loaded weight dict (runtime/gguf_loader.py's names) → this rank's slices (views)."""
+    """The loaded weight dict (runtime/gguf_loader.py's names) → this rank's slices (contiguous copies)."""
     r, N = shard.rank, shard.world
     check_split(c, N, lambda name: _group(weights[f"layers.0.{name}"]))
     out = {}

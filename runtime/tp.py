@@ -74,7 +74,6 @@ def load_tp(ref: str | None, weights: str, tp: int, progress: bool | None = None
     torch.set_num_threads(per_rank)
     try:
         dist.init_process_group("gloo", init_method=init, rank=0, world_size=tp, timeout=IDLE_TIMEOUT)
-        model.started()
         errors = [None] * tp
         dist.gather_object(None, errors, dst=0)  # every rank's load: None or its error line
     except BaseException:
@@ -145,7 +144,6 @@ class TPModel:
         self._cores_before = cores_before
         self._lock = threading.Lock()
         self._closing = False
-        self._group = False
         atexit.register(self.close)
         threading.Thread(target=self._watch, name="lowbit-tp-watch", daemon=True).start()
 
@@ -161,9 +159,6 @@ class TPModel:
     def buffers(self):
         """Rank 0's tensors (LoadedModel.weight_bytes counts them: rank 0's share)."""
         return self.shard.buffers()
-
-    def started(self) -> None:
-        self._group = True
 
     def forward_paged(self, tokens: torch.Tensor, batch: PagedBatch, pool, exact=None) -> torch.Tensor:
         with self._lock:
@@ -189,7 +184,7 @@ class TPModel:
         if self._closing:
             return
         self._closing = True
-        if self._group:
+        if dist.is_initialized():  # the group is up: the ranks are waiting for a message
             try:
                 with self._lock:
                     self._send(("stop", None))
