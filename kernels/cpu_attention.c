@@ -9,12 +9,12 @@
  * its own inputs.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "cpu_kernels.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 static inline float dot(const float *a, const float *b, int64_t D) {
@@ -93,19 +93,29 @@ static inline void kv_vector(const lowbit_kv_side *s, int64_t t, int64_t D, floa
             _mm256_storeu_ps(x + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
         return;
     }
+    /* x = d * c (8-bit) or d * u + m (4-bit), one product (and one sum) per value, 8 or 16 at a time
+     * (groups are multiples of 8: D % 8 == 0 and the formats' groups are 32 or 64) */
     const int64_t G = D / s->group;
     for (int64_t g = 0; g < G; g++) {
-        const float d = _cvtsh_ss(s->scales[t * G + g]);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(s->scales[t * G + g]));
         const int64_t k0 = g * s->group;
         if (s->bits == 8) {
             const int8_t *c = (const int8_t *)s->codes + t * D + k0;
-            for (int64_t k = 0; k < s->group; k++) x[k0 + k] = d * (float)c[k];
+            for (int64_t k = 0; k < s->group; k += 8) {
+                const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + k)));
+                _mm256_storeu_ps(x + k0 + k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+            }
         } else {
             const uint8_t *c = (const uint8_t *)s->codes + (t * D + k0) / 2;
-            const float m = _cvtsh_ss(s->mins[t * G + g]);
-            for (int64_t k = 0; k < s->group; k += 2) {
-                x[k0 + k] = d * (float)(c[k / 2] & 15) + m;
-                x[k0 + k + 1] = d * (float)(c[k / 2] >> 4) + m;
+            const __m256 m = _mm256_set1_ps(_cvtsh_ss(s->mins[t * G + g]));
+            const __m256i low4 = _mm256_set1_epi32(15);
+            for (int64_t k = 0; k < s->group; k += 16) {  /* 8 bytes: values k, k+1 in byte k/2 (low first) */
+                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + k / 2)));
+                const __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_srli_epi32(b, 4);
+                const __m256i a = _mm256_unpacklo_epi32(lo, hi), e = _mm256_unpackhi_epi32(lo, hi);  /* [0-3 | 8-11], [4-7 | 12-15] */
+                const __m256i u0 = _mm256_permute2x128_si256(a, e, 0x20), u1 = _mm256_permute2x128_si256(a, e, 0x31);
+                _mm256_storeu_ps(x + k0 + k, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(u0)), m));
+                _mm256_storeu_ps(x + k0 + k + 8, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(u1)), m));
             }
         }
     }
@@ -122,29 +132,36 @@ static void rotate(const float *x, const float *R, int64_t D, int transposed, fl
         for (int64_t j = 0; j < D; j++) y[j] += x[i] * R[i * D + j];
 }
 
+/* Floats of scratch one thread needs for paged decode attention over these rows: the scores of its
+ * (row, KV head) item and the H / Hkv queries' vectors. */
+size_t lowbit_paged_attention_scratch(int64_t R, int64_t H, int64_t Hkv, int64_t D, const int64_t *ctx,
+                                      int64_t window) {
+    const int64_t grp = H / Hkv;
+    int64_t n = 1;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t len = window > 0 && ctx[r] > window ? window : ctx[r];
+        n = len > n ? len : n;
+    }
+    return (size_t)(n * grp + (2 * grp + 2) * D + 16);
+}
+
 /* Decode attention straight from the paged, quantized pool: R query rows, each one token of its
- * sequence seeing the first ctx[r] tokens of it (its own included; the last `window` if window > 0).
+ * sequence seeing the first ctx[r] >= 1 tokens of it (its own included; the last `window` if window > 0).
  * q [R, H, D] (rows sq floats apart); row r's page ids are tables[toff[r] ...]; rot fp32 [D, D] when
  * both sides are stored rotated (q is rotated, the output rotated back) or NULL → out fp32 [R, H, D].
  * Work items are (row, KV head): each key and value vector is dequantized once for the H / Hkv query
- * heads that read it. Returns 0, -1 for bad shapes, -2 for a failed allocation. */
-int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
-                                  const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
-                                  const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
-                                  int64_t window, float scale, float *out, int nthreads) {
-    if (H % Hkv || D % 8) return -1;
+ * heads that read it. A team function (items shared out, then a barrier); scratch holds per_thread
+ * floats (lowbit_paged_attention_scratch) for each thread of the region. */
+void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
+                                 const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
+                                 const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
+                                 int64_t window, float scale, float *scratch, size_t per_thread, float *out) {
     const int64_t grp = H / Hkv;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic) num_threads(nthreads) reduction(| : failed)
+    float *buf = scratch + per_thread * (size_t)omp_get_thread_num();
+#pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < R * Hkv; item++) {
         const int64_t r = item / Hkv, kvh = item % Hkv, last = ctx[r] - 1;
         const int64_t first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0, n = last - first + 1;
-        float *buf = malloc(sizeof(float) * (size_t)(n * grp + (2 * grp + 2) * D));
-        if (!buf || n < 1) {
-            failed = 1;
-            free(buf);
-            continue;
-        }
         float *p = buf, *qr = p + n * grp, *o = qr + grp * D, *x = o + grp * D, *y = x + D;
         for (int64_t j = 0; j < grp; j++) {
             const float *qh = q + r * sq + (kvh * grp + j) * D;
@@ -183,9 +200,25 @@ int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t
             if (rot) rotate(oj, rot, D, 1, y);
             for (int64_t d = 0; d < D; d++) dst[d] = rot ? y[d] : oj[d];
         }
-        free(buf);
     }
-    return failed ? -2 : 0;
+}
+
+/* The same in its own parallel region. Returns 0, -1 for bad shapes, -2 for a failed allocation. */
+int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
+                                  const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
+                                  const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
+                                  int64_t window, float scale, float *out, int nthreads) {
+    if (H % Hkv || D % 8) return -1;
+    for (int64_t r = 0; r < R; r++)
+        if (ctx[r] < 1) return -1;
+    const size_t per = lowbit_paged_attention_scratch(R, H, Hkv, D, ctx, window);
+    float *scratch = malloc(sizeof(float) * per * (size_t)(nthreads > 0 ? nthreads : 1));
+    if (!scratch) return -2;
+#pragma omp parallel num_threads(nthreads)
+    lowbit_paged_attention_team(q, sq, R, H, Hkv, D, ctx, tables, toff, page_size, ks, vs, rot, window, scale,
+                                scratch, per, out);
+    free(scratch);
+    return 0;
 }
 
 /* fp32 → fp16 bits, round to nearest even (torch's .half()). */
@@ -249,19 +282,3 @@ int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t 
         }
     return 0;
 }
-
-#else  /* no AVX2/FMA: lowbit_native_ok() (cpu_wq_mm.c) says so and none of these is called */
-int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t D, const int64_t *slots,
-                    int64_t page_size, const lowbit_kv_side *s, const float *rot) { return -1; }
-int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const float *v, int64_t skv, float *cache_k,
-                            float *cache_v, int64_t cb, int64_t ch, int64_t B, int64_t H, int64_t Hkv, int64_t S,
-                            int64_t D, const int64_t *pos, int64_t window, float scale, float *out, int nthreads) {
-    return -1;
-}
-int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
-                                  const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
-                                  const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
-                                  int64_t window, float scale, float *out, int nthreads) {
-    return -1;
-}
-#endif

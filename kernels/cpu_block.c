@@ -33,25 +33,6 @@
  * thread: waking the others costs more than the loop (576-wide norm: ~1 us). */
 #define PARALLEL_MIN 65536
 
-/* y [M, N] = x [M, K] @ W^T (+ bias). */
-int lowbit_linear_mm(const lowbit_linear *w, const float *x, int64_t M, float *y, int nthreads) {
-    int rc;
-    if (w->kind == 1) {
-        float *xs = malloc(sizeof(float) * (size_t)(M * (w->K / w->group) + 1));
-        if (!xs) return -2;
-        rc = lowbit_int4_mm(x, M, w->K, w->codes, w->scales, w->P, w->N, w->group, xs, y, nthreads);
-        free(xs);
-    } else if (w->kind == 2) {
-        rc = lowbit_int8_mm(x, M, w->K / w->group, w->N, w->group, w->codes, w->scales, (int)w->P, y, nthreads);
-    } else {
-        return -1;
-    }
-    if (rc == 0 && w->bias)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = 0; n < w->N; n++) y[m * w->N + n] += w->bias[n];
-    return rc;
-}
-
 /* Per row m: r = res[m] + x[m] (r = x[m] when !has_res), res[m] = r, out[m] = r * rstd * w with
  * rstd = 1 / sqrt(mean(r^2) + eps). x rows are sx floats apart; res and out are [M, D]. The sum of
  * squares runs in 8 fixed lanes, then lane 0..7 in order. */
@@ -110,40 +91,119 @@ void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su,
         }
 }
 
-/* delta [M, dim] (the previous block's output), residual [M, dim] (in/out; has_res = 0 for the first
- * block: residual := delta), cos/sin [M, D] → qkv [M, (H + 2 Hkv) D], q and k rotated. */
-int lowbit_block_pre(const lowbit_block *b, int64_t M, const float *delta, float *residual, int has_res,
-                     const float *cos, const float *sin, float *qkv, int nthreads) {
-    float *h = malloc(sizeof(float) * (size_t)(M * b->dim));
-    if (!h) return -2;
-    lowbit_add_rms_norm(delta, b->dim, residual, has_res, b->attn_norm, b->eps, M, b->dim, h);
-    const int rc = lowbit_linear_mm(&b->qkv, h, M, qkv, nthreads);
-    free(h);
-    if (rc) return rc;
+/* ---- the fused halves of a block ---- */
+
+/* A block's scratch for M rows: h, o [M, dim], gu [M, 2 hidden], act [M, hidden], and the quantized
+ * activations of its widest input (each matmul re-views the same memory for its own K). */
+typedef struct {
+    float *h, *o, *gu, *act;
+    void *qmem;
+    int64_t M;
+} block_ws;
+
+static int64_t widest_input(const lowbit_block *b) {
+    const int64_t hd = b->n_heads * b->head_dim, k = b->dim > hd ? b->dim : hd;
+    return k > b->hidden ? k : b->hidden;
+}
+
+static size_t block_ws_bytes(const lowbit_block *b, int64_t M) {
+    return sizeof(float) * (size_t)(M * (2 * b->dim + 3 * b->hidden)) + 64 + lowbit_qact_bytes(M, widest_input(b));
+}
+
+static void block_ws_init(block_ws *ws, void *mem, const lowbit_block *b, int64_t M) {
+    float *f = mem;
+    ws->h = f, ws->o = f + M * b->dim, ws->gu = ws->o + M * b->dim, ws->act = ws->gu + 2 * M * b->hidden;
+    ws->qmem = ws->act + M * b->hidden;
+    ws->M = M;
+}
+
+static lowbit_qact qact_for(const block_ws *ws, int64_t K) {
+    lowbit_qact a;
+    lowbit_qact_init(&a, ws->qmem, ws->M, K);
+    return a;
+}
+
+static int block_check(const lowbit_ctx *c, const lowbit_block *b) {
+    const int64_t D = b->head_dim, H = b->n_heads, Hkv = b->n_kv_heads;
+    const lowbit_linear *ws[4] = {&b->qkv, &b->o, &b->gate_up, &b->down};
+    for (int i = 0; i < 4; i++)
+        if (lowbit_linear_check(ws[i], c->isa)) return -1;
+    if (b->qkv.N != (H + 2 * Hkv) * D || b->qkv.K != b->dim || b->o.N != b->dim || b->o.K != H * D ||
+        b->gate_up.N != 2 * b->hidden || b->gate_up.K != b->dim || b->down.N != b->dim || b->down.K != b->hidden)
+        return -1;
+    return 0;
+}
+
+/* Team: residual += delta; h = norm(residual); qkv = h @ Wqkv^T (+ b); rotary on q and k. */
+static void block_pre_team(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *delta, float *residual,
+                           int has_res, const float *cos, const float *sin, float *qkv, block_ws *ws) {
+    lowbit_qact a = qact_for(ws, b->dim);
+#pragma omp single
+    {
+        lowbit_add_rms_norm(delta, b->dim, residual, has_res, b->attn_norm, b->eps, M, b->dim, ws->h);
+        lowbit_quantize_rows_serial(ws->h, b->dim, &a);
+    }
+    lowbit_linear_team(c, &b->qkv, &a, qkv);
     const int64_t D = b->head_dim, row = (b->n_heads + 2 * b->n_kv_heads) * D;
-    lowbit_rotary(qkv, M, b->n_heads, row, D, D, cos, sin);
-    lowbit_rotary(qkv + b->n_heads * D, M, b->n_kv_heads, row, D, D, cos, sin);
+#pragma omp single
+    {
+        lowbit_rotary(qkv, M, b->n_heads, row, D, D, cos, sin);
+        lowbit_rotary(qkv + b->n_heads * D, M, b->n_kv_heads, row, D, D, cos, sin);
+    }
+}
+
+/* Team: residual += attn @ Wo^T; h = norm(residual); delta = (silu(h Wg^T) * (h Wu^T)) @ Wd^T. */
+static void block_post_team(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *attn, float *residual,
+                            float *delta, block_ws *ws) {
+    const int64_t I = b->hidden;
+    lowbit_qact a = qact_for(ws, b->n_heads * b->head_dim);
+#pragma omp single
+    lowbit_quantize_rows_serial(attn, a.K, &a);
+    lowbit_linear_team(c, &b->o, &a, ws->o);
+    a = qact_for(ws, b->dim);
+#pragma omp single
+    {
+        lowbit_add_rms_norm(ws->o, b->dim, residual, 1, b->ffn_norm, b->eps, M, b->dim, ws->h);
+        lowbit_quantize_rows_serial(ws->h, b->dim, &a);
+    }
+    lowbit_linear_team(c, &b->gate_up, &a, ws->gu);
+    a = qact_for(ws, I);
+#pragma omp single
+    {
+        lowbit_silu_mul(ws->gu, 2 * I, ws->gu + I, 2 * I, M, I, ws->act);
+        lowbit_quantize_rows_serial(ws->act, I, &a);
+    }
+    lowbit_linear_team(c, &b->down, &a, delta);
+}
+
+/* delta [M, dim] (the previous block's output), residual [M, dim] (in/out; has_res = 0 for the first
+ * block: residual := delta), cos/sin [M, D] → qkv [M, (H + 2 Hkv) D], q and k rotated. Returns 0, -1
+ * for a layout the kernels do not take, -2 for a failed allocation. */
+int lowbit_block_pre(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *delta, float *residual,
+                     int has_res, const float *cos, const float *sin, float *qkv) {
+    if (M < 1 || block_check(c, b)) return -1;
+    void *mem = malloc(block_ws_bytes(b, M));
+    if (!mem) return -2;
+    block_ws ws;
+    block_ws_init(&ws, mem, b, M);
+#pragma omp parallel num_threads((int)c->nthreads)
+    block_pre_team(c, b, M, delta, residual, has_res, cos, sin, qkv, &ws);
+    free(mem);
     return 0;
 }
 
 /* attn [M, H D] (attention's output), residual [M, dim] (in/out) → delta [M, dim]. */
-int lowbit_block_post(const lowbit_block *b, int64_t M, const float *attn, float *residual, float *delta,
-                      int nthreads) {
-    const int64_t I = b->hidden;
-    float *buf = malloc(sizeof(float) * (size_t)(M * (2 * b->dim + 3 * I)));
-    if (!buf) return -2;
-    float *o = buf, *h = o + M * b->dim, *gu = h + M * b->dim, *a = gu + M * 2 * I;
-    int rc = lowbit_linear_mm(&b->o, attn, M, o, nthreads);
-    if (rc == 0) {
-        lowbit_add_rms_norm(o, b->dim, residual, 1, b->ffn_norm, b->eps, M, b->dim, h);
-        rc = lowbit_linear_mm(&b->gate_up, h, M, gu, nthreads);
-    }
-    if (rc == 0) {
-        lowbit_silu_mul(gu, 2 * I, gu + I, 2 * I, M, I, a);
-        rc = lowbit_linear_mm(&b->down, a, M, delta, nthreads);
-    }
-    free(buf);
-    return rc;
+int lowbit_block_post(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *attn, float *residual,
+                      float *delta) {
+    if (M < 1 || block_check(c, b)) return -1;
+    void *mem = malloc(block_ws_bytes(b, M));
+    if (!mem) return -2;
+    block_ws ws;
+    block_ws_init(&ws, mem, b, M);
+#pragma omp parallel num_threads((int)c->nthreads)
+    block_post_team(c, b, M, attn, residual, delta, &ws);
+    free(mem);
+    return 0;
 }
 
 /* A whole single-token step over the contiguous fp32 cache, every block in turn: block_pre, decode
@@ -152,52 +212,72 @@ int lowbit_block_post(const lowbit_block *b, int64_t M, const float *attn, float
  * order, so the result is bit-identical to it; one call instead of three per layer. delta [M, dim]:
  * the embeddings in, the last block's output out; residual [M, dim] out; scale: attention's 1/sqrt(D)
  * as the Python caller passes it to the per-block path. */
-int lowbit_decode_layers(const lowbit_block *blocks, int64_t L, int64_t M, float *delta, float *residual,
-                         const float *cos, const float *sin, float *cache_k, float *cache_v, int64_t cl, int64_t cb,
-                         int64_t ch, int64_t S, const int64_t *pos, int64_t window, float scale, int nthreads) {
+int lowbit_decode_layers(const lowbit_ctx *c, const lowbit_block *blocks, int64_t L, int64_t M, float *delta,
+                         float *residual, const float *cos, const float *sin, float *cache_k, float *cache_v,
+                         int64_t cl, int64_t cb, int64_t ch, int64_t S, const int64_t *pos, int64_t window,
+                         float scale) {
     const lowbit_block *b0 = blocks;
     const int64_t D = b0->head_dim, W = (b0->n_heads + 2 * b0->n_kv_heads) * D;
     float *qkv = malloc(sizeof(float) * (size_t)(M * W)), *attn = malloc(sizeof(float) * (size_t)(M * b0->n_heads * D));
     int rc = qkv && attn ? 0 : -2;
     for (int64_t l = 0; l < L && rc == 0; l++) {
         const lowbit_block *b = blocks + l;
-        rc = lowbit_block_pre(b, M, delta, residual, l > 0, cos, sin, qkv, nthreads);
+        rc = lowbit_block_pre(c, b, M, delta, residual, l > 0, cos, sin, qkv);
         if (rc == 0)
             rc = lowbit_decode_attention(qkv, W, qkv + b->n_heads * D, qkv + (b->n_heads + b->n_kv_heads) * D, W,
                                          cache_k + l * cl, cache_v + l * cl, cb, ch, M, b->n_heads, b->n_kv_heads, S, D,
-                                         pos, window, scale, attn, nthreads);
-        if (rc == 0) rc = lowbit_block_post(b, M, attn, residual, delta, nthreads);
+                                         pos, window, scale, attn, (int)c->nthreads);
+        if (rc == 0) rc = lowbit_block_post(c, b, M, attn, residual, delta);
     }
     free(qkv);
     free(attn);
     return rc;
 }
 
-/* A whole decode step over the paged pool (runtime/kv_cache.py), every row one token: per block,
- * block_pre, the K and V of the step quantized into their slots (kv_write, rotated by write_rot when
- * the format rotates), paged decode attention over each row's first ctx[r] tokens (attn_rot: both
- * sides rotated), block_post — the calls the per-block path makes from Python, in the same order,
- * so the result is bit-identical to it. k_sides/v_sides: one descriptor per layer. */
-int lowbit_decode_paged_layers(const lowbit_block *blocks, int64_t L, int64_t M, float *delta, float *residual,
-                               const float *cos, const float *sin, const int64_t *slots, int64_t page_size,
-                               const lowbit_kv_side *k_sides, const lowbit_kv_side *v_sides, const float *write_rot,
-                               const float *attn_rot, const int64_t *ctx, const int64_t *tables, const int64_t *toff,
-                               int64_t window, float scale, int nthreads) {
+/* A whole decode step over the paged pool (runtime/kv_cache.py), every row one token, in one parallel
+ * region: per block, block_pre, the K and V of the step quantized into their slots (kv_write, rotated
+ * by write_rot when the format rotates), paged decode attention over each row's first ctx[r] tokens
+ * (attn_rot: both sides rotated), block_post — the arithmetic of the per-block path, in the same
+ * order, so the result is bit-identical to it. k_sides/v_sides: one descriptor per layer. Scratch is
+ * allocated once for the step. Returns 0, -1 for shapes it does not take, -2 for a failed allocation. */
+int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, int64_t L, int64_t M, float *delta,
+                               float *residual, const float *cos, const float *sin, const int64_t *slots,
+                               int64_t page_size, const lowbit_kv_side *k_sides, const lowbit_kv_side *v_sides,
+                               const float *write_rot, const float *attn_rot, const int64_t *ctx,
+                               const int64_t *tables, const int64_t *toff, int64_t window, float scale) {
+    if (L < 1 || M < 1) return -1;
     const lowbit_block *b0 = blocks;
     const int64_t D = b0->head_dim, H = b0->n_heads, Hkv = b0->n_kv_heads, W = (H + 2 * Hkv) * D;
-    float *qkv = malloc(sizeof(float) * (size_t)(M * W)), *attn = malloc(sizeof(float) * (size_t)(M * H * D));
-    int rc = qkv && attn ? 0 : -2;
-    for (int64_t l = 0; l < L && rc == 0; l++) {
+    for (int64_t l = 0; l < L; l++)
+        if (block_check(c, blocks + l) || blocks[l].head_dim != D || blocks[l].n_heads != H ||
+            blocks[l].n_kv_heads != Hkv || blocks[l].dim != b0->dim || blocks[l].hidden != b0->hidden)
+            return -1;
+    for (int64_t r = 0; r < M; r++)
+        if (ctx[r] < 1) return -1;
+    if (H % Hkv || D % 8) return -1;
+    const size_t att = lowbit_paged_attention_scratch(M, H, Hkv, D, ctx, window);  /* floats per thread */
+    const size_t bytes = sizeof(float) * ((size_t)(M * (W + H * D)) + att * (size_t)c->nthreads) +
+                         block_ws_bytes(b0, M) + 64;
+    float *mem = malloc(bytes);
+    if (!mem) return -2;
+    float *qkv = mem, *attn = qkv + M * W, *scratch = attn + M * H * D;
+    block_ws ws;
+    block_ws_init(&ws, scratch + att * (size_t)c->nthreads, b0, M);
+    int rc = 0;
+#pragma omp parallel num_threads((int)c->nthreads)
+    for (int64_t l = 0; l < L; l++) {
         const lowbit_block *b = blocks + l;
-        rc = lowbit_block_pre(b, M, delta, residual, l > 0, cos, sin, qkv, nthreads);
-        if (rc == 0) rc = lowbit_kv_write(qkv + H * D, W, M, Hkv, D, slots, page_size, k_sides + l, write_rot);
-        if (rc == 0) rc = lowbit_kv_write(qkv + (H + Hkv) * D, W, M, Hkv, D, slots, page_size, v_sides + l, write_rot);
-        if (rc == 0)
-            rc = lowbit_paged_decode_attention(qkv, W, M, H, Hkv, D, ctx, tables, toff, page_size, k_sides + l,
-                                               v_sides + l, attn_rot, window, scale, attn, nthreads);
-        if (rc == 0) rc = lowbit_block_post(b, M, attn, residual, delta, nthreads);
+        block_pre_team(c, b, M, delta, residual, l > 0, cos, sin, qkv, &ws);
+#pragma omp single
+        {
+            int e = lowbit_kv_write(qkv + H * D, W, M, Hkv, D, slots, page_size, k_sides + l, write_rot);
+            e |= lowbit_kv_write(qkv + (H + Hkv) * D, W, M, Hkv, D, slots, page_size, v_sides + l, write_rot);
+            if (e) rc = -1;
+        }
+        lowbit_paged_attention_team(qkv, W, M, H, Hkv, D, ctx, tables, toff, page_size, k_sides + l, v_sides + l,
+                                    attn_rot, window, scale, scratch, att, attn);
+        block_post_team(c, b, M, attn, residual, delta, &ws);
     }
-    free(qkv);
-    free(attn);
+    free(mem);
     return rc;
 }

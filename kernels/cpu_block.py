@@ -10,10 +10,9 @@ silu_mul.py `*_cpu`) and the same matmul kernel as a fast QuantLinear, so a row 
 bit for bit, the row the unfused path computes; the model uses this form only for steps whose
 matmuls are all on the fast kernel (models/llama.py).
 
-Taken only where the C kernels build and every weight of the block is in a layout they read
-whole: int4 in torch's tile layout, int8 group-major, with no padding rows or columns and
-QKV and gate/up each fused into one matrix (what the default model's GGUF gives); otherwise
-`fused_block` returns None and the block runs op by op.
+Taken only where the C kernels build and every weight of the block is in lowbit's int4 or int8
+tile layout with no padding rows or columns, QKV and gate/up each fused into one matrix (what the
+default model's GGUF gives); otherwise `fused_block` returns None and the block runs op by op.
 """
 
 from __future__ import annotations
@@ -28,21 +27,13 @@ from lowbit.kernels.int8_mm import Int8Packed
 def _linear(w, bias: torch.Tensor | None) -> "cpu_native._Linear | None":
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
-    b = bias.data_ptr() if bias is not None else None
-    if isinstance(w, Int4Packed):
-        Np, Kp = w.padded_shape
-        if not w.fused or Np != w.out_features or Kp != w.in_features:
-            return None
-        return cpu_native._Linear(1, Np, Kp, w.group_size, w.scale_min.shape[2], w.packed.data_ptr(),
-                                  w.scale_min.data_ptr(), b)
-    if isinstance(w, Int8Packed):
-        G, N, g = w.qweight.shape
-        if G * g != w.in_features or tuple(w.scales.shape) != (N, G) or \
-                w.scales.dtype not in (torch.float16, torch.float32):
-            return None
-        return cpu_native._Linear(2, N, G * g, g, int(w.scales.dtype == torch.float32), w.qweight.data_ptr(),
-                                  w.scales.data_ptr(), b)
-    return None
+    if not isinstance(w, (Int4Packed, Int8Packed)):
+        return None
+    Np, Kp = w.padded_shape
+    if Np != w.out_features or Kp != w.in_features:
+        return None
+    d = w.c_desc()
+    return cpu_native._Linear(d.kind, d.N, d.K, d.group, d.P, d.data, bias.data_ptr() if bias is not None else None)
 
 
 class FusedBlock:

@@ -1,21 +1,56 @@
 /* The C kernels' shared descriptors and the functions one file calls in another (cpu_wq_mm.c,
- * cpu_block.c, cpu_attention.c are built into one library by kernels/cpu_native.py, which mirrors
- * these structs with ctypes). */
+ * cpu_wq_tiles.c, cpu_block.c, cpu_attention.c are built into one library by kernels/cpu_native.py,
+ * which mirrors these structs with ctypes). */
 #ifndef LOWBIT_CPU_KERNELS_H
 #define LOWBIT_CPU_KERNELS_H
+#include <stddef.h>
 #include <stdint.h>
 
-/* One weight as its C kernel reads it (kernels/cpu_native.py fills it from Int4Packed/Int8Packed). */
+/* Instruction sets a matmul can run on (cpu_wq_tiles.c is compiled once per set the CPU has). Every
+ * one gives the same bits: the block sums are exact integers and the fp32 epilogue is one source. */
+enum { LOWBIT_ISA_AVX2 = 1, LOWBIT_ISA_VNNI256 = 2, LOWBIT_ISA_AVX512 = 3, LOWBIT_ISA_MAX = 3 };
+
+#define LOWBIT_TILE 16   /* output rows per tile of the packed layouts */
+#define LOWBIT_BLOCK 32  /* activation values per scale, and k per block of a tile's codes */
+
+/* One weight in lowbit's CPU layout (kernels/int4_mm.py, int8_mm.py write it; the layout is theirs):
+ * tiles of 16 output rows, tiles contiguous, each tile G units of one weight group (gs k), a unit =
+ * the 16 rows' scales, then the group's gs / 32 blocks of codes, each block in VNNI quad order —
+ * 4 consecutive k of one row adjacent, 16 rows per 64 bytes:
+ *   int4 (kind 1): unit = d fp16 [16], m fp16 [16] if P = 2 (w = d u + m; P = 1: w = d (u - 8)),
+ *                  then per block 4 x 64 B, byte [j][r][i] = u[r][8j + i] | u[r][8j + 4 + i] << 4
+ *   int8 (kind 2): unit = d fp16 [16] (P = 2 bytes) or fp32 [16] (P = 4, per channel: one group of
+ *                  K), then per block 8 x 64 B, byte [j][r][i] = q[r][4j + i] + 128 (w = d q) */
 typedef struct {
-    int64_t kind;   /* 1: int4, torch's CPU tile layout; 2: int8, group-major [G, N, g] */
-    int64_t N;      /* output features (int4: a multiple of 16, no padding rows) */
-    int64_t K;      /* input features (a whole number of groups, no padding columns) */
-    int64_t group;  /* int4: group size; int8: g */
-    int64_t P;      /* int4: 2 (scale, min) pairs or 1 (scale); int8: 1 if the scales are fp32, 0 if fp16 */
-    const void *codes;
-    const void *scales;
+    int64_t kind;   /* 1: int4, 2: int8 */
+    int64_t N;      /* output rows held, a multiple of 16 (padding rows are zero weights) */
+    int64_t K;      /* input features, a whole number of groups (x is padded to it) */
+    int64_t group;  /* k per group: 32, 64, 128 (int8 per channel: K) */
+    int64_t P;      /* int4: scales per row and group (1 or 2); int8: bytes per scale (2 or 4) */
+    const uint8_t *data;
     const float *bias;  /* fp32 [N] or NULL */
 } lowbit_linear;
+
+/* Activations as the integer kernels read them (kernels/act_quant.py is the spec): per row, per
+ * block of 32, s = amax / 32512 and q = round(x * 32512 / amax), split into planes q = 256 h + l. */
+typedef struct {
+    float s;    /* the block's scale */
+    float sS;   /* s * (float)S: the int4 min term's factor */
+    int32_t S;  /* sum of the block's codes */
+    int32_t pad;
+} lowbit_qblock;
+
+typedef struct {
+    int64_t M, K, nb;   /* rows, columns (a multiple of 32), blocks per row (K / 32) */
+    int8_t *hl;         /* [M, 2K]: per 4 k, their 4 h in [-127, 127] then their 4 l in [-128, 127] */
+    int16_t *q;         /* [M, K]: the codes (AVX2's int8 kernel multiplies them with vpmaddwd) */
+    lowbit_qblock *blk; /* [M, nb] */
+} lowbit_qact;
+
+/* How a call runs: the instruction set of its matmuls, the threads of its parallel region. */
+typedef struct {
+    int64_t isa, nthreads;
+} lowbit_ctx;
 
 /* The shapes of one block; the weights are the lowbit_linear descriptors. */
 typedef struct {
@@ -35,19 +70,43 @@ typedef struct {
     uint16_t *scales, *mins;
 } lowbit_kv_side;
 
-int lowbit_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sm, int64_t P,
-                   int64_t Np, int64_t gs, float *xs, float *y, int nthreads);
-int lowbit_int8_mm(const float *x, int64_t M, int64_t G, int64_t N, int64_t g, const int8_t *q, const void *scales,
-                   int scale_f32, float *y, int nthreads);
-int lowbit_block_pre(const lowbit_block *b, int64_t M, const float *delta, float *residual, int has_res,
-                     const float *cos, const float *sin, float *qkv, int nthreads);
-int lowbit_block_post(const lowbit_block *b, int64_t M, const float *attn, float *residual, float *delta,
-                      int nthreads);
+/* cpu_wq_mm.c: activation quantization and the matmul, as parts of a parallel region ("team": every
+ * thread of the region calls it; it shares the work out and ends in a barrier) or standalone. */
+size_t lowbit_qact_bytes(int64_t M, int64_t K);
+void lowbit_qact_init(lowbit_qact *a, void *mem, int64_t M, int64_t K);
+void lowbit_quantize_rows(const float *x, int64_t sx, lowbit_qact *a);
+void lowbit_quantize_rows_serial(const float *x, int64_t sx, lowbit_qact *a);
+int lowbit_linear_check(const lowbit_linear *w, int64_t isa);
+void lowbit_linear_team(const lowbit_ctx *c, const lowbit_linear *w, const lowbit_qact *a, float *y);
+int lowbit_linear_mm(const lowbit_ctx *c, const lowbit_linear *w, const float *x, int64_t M, float *y);
+
+/* cpu_wq_tiles.c, one set per instruction set: output tiles [t0, t1) of y [M, N] for rows m0..m0+mc. */
+#define LOWBIT_TILES(isa)                                                                                 \
+    void lowbit_int4_tiles_##isa(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc,   \
+                                 int64_t t0, int64_t t1, float *y);                                       \
+    void lowbit_int8_tiles_##isa(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc,   \
+                                 int64_t t0, int64_t t1, float *y);
+LOWBIT_TILES(avx2)
+LOWBIT_TILES(vnni256)
+LOWBIT_TILES(avx512)
+
+/* cpu_block.c and cpu_attention.c, as used by each other. */
+void lowbit_add_rms_norm(const float *x, int64_t sx, float *res, int has_res, const float *w, float eps,
+                         int64_t M, int64_t D, float *out);
+void lowbit_rotary(float *x, int64_t M, int64_t H, int64_t sm, int64_t sh, int64_t D, const float *cos,
+                   const float *sin);
+void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I, float *out);
 int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const float *v, int64_t skv, float *cache_k,
                             float *cache_v, int64_t cb, int64_t ch, int64_t B, int64_t H, int64_t Hkv, int64_t S,
                             int64_t D, const int64_t *pos, int64_t window, float scale, float *out, int nthreads);
 int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t D, const int64_t *slots,
                     int64_t page_size, const lowbit_kv_side *s, const float *rot);
+size_t lowbit_paged_attention_scratch(int64_t R, int64_t H, int64_t Hkv, int64_t D, const int64_t *ctx,
+                                      int64_t window);
+void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
+                                 const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
+                                 const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
+                                 int64_t window, float scale, float *scratch, size_t per_thread, float *out);
 int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
                                   const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
                                   const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,

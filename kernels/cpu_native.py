@@ -42,26 +42,55 @@ import ctypes
 import functools
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_wq_mm.c", "cpu_block.c", "cpu_attention.c")]
+TILES = Path(__file__).with_name("cpu_wq_tiles.c")  # compiled once per instruction set (ISAS)
 HEADER = Path(__file__).with_name("cpu_kernels.h")  # the structs and cross-file prototypes
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# x86-64-v3's vector sets for everything; the tile kernels add their own. No -march=native: a file
+# compiled for AVX2 must not pick up AVX-512 from the compiler, so the AVX2 kernels are the ones an
+# AVX2-only machine runs, and every variant gives the same bits (tests/test_cpu_native.py).
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mtune=native", "-fopenmp", "-fPIC", "-std=c11"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One build of cpu_wq_tiles.c: its number in cpu_kernels.h, the CPU flags (/proc/cpuinfo) it
+    needs, and its compiler flags."""
+
+    name: str
+    number: int
+    needs: tuple[tuple[str, ...], ...]  # any one of these sets of flags
+    flags: tuple[tuple[str, ...], ...]  # the compiler flags for the matching set
+
+
+ISAS = (
+    Isa("avx2", 1, (("avx2", "fma", "f16c"),), ((),)),
+    # VNNI on 256-bit vectors: AVX-VNNI (VEX) where the CPU has it, else AVX-512 VL's encoding of it
+    Isa("vnni256", 2, (("avx_vnni",), ("avx512_vnni", "avx512vl", "avx512bw", "avx512f")),
+        (("-mavxvnni",), tuple(_AVX512))),
+    Isa("avx512", 3, (("avx512_vnni", "avx512vl", "avx512bw", "avx512f"),), (tuple(_AVX512),)),
+)
 
 
 class _Linear(ctypes.Structure):
-    """cpu_block.c's lowbit_linear: one weight as its C kernel reads it."""
+    """cpu_kernels.h's lowbit_linear: one weight in lowbit's packed CPU layout."""
     _fields_ = [("kind", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("group", ctypes.c_int64),
-                ("P", ctypes.c_int64), ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)]
+                ("P", ctypes.c_int64), ("data", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Ctx(ctypes.Structure):
+    """cpu_kernels.h's lowbit_ctx: a call's instruction set and thread count."""
+    _fields_ = [("isa", ctypes.c_int64), ("nthreads", ctypes.c_int64)]
 
 
 class _Block(ctypes.Structure):
@@ -79,91 +108,85 @@ class _KVSide(ctypes.Structure):
 
 
 class NativeKernels:
-    """The loaded library; methods check shapes, allocate the output and call in."""
+    """The loaded library and the instruction set its matmuls run on (the best the CPU has, unless
+    `with_isa` chose another); methods check shapes, allocate the output and call in."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, isa: str | None = None, sides: dict | None = None):
         self.lib = lib
-        self._sides: dict[tuple, _KVSide] = {}  # a pool side's descriptor, built once (~4 us each)
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.lowbit_int4_mm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
-        lib.lowbit_int8_mm.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int]
-        lib.lowbit_int4_dequant_t.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
-        lib.lowbit_int8_dequant.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
-        f32 = ctypes.c_float
+        self._sides = {} if sides is None else sides  # a pool side's descriptor, built once (~4 us each)
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        lib.lowbit_isa_available.argtypes, lib.lowbit_isa_available.restype = [i64], ctypes.c_int
+        lib.lowbit_isa_best.restype = i64
+        self.isas = [i.name for i in ISAS if lib.lowbit_isa_available(i.number)]  # built and runnable here
+        number = lib.lowbit_isa_best() if isa is None else next((i.number for i in ISAS if i.name == isa), 0)
+        if not lib.lowbit_isa_available(number):
+            raise ValueError(f"instruction set {isa!r} is not in this build of lowbit's C kernels "
+                             f"(it has: {', '.join(self.isas)})")
+        self.isa = next(i.name for i in ISAS if i.number == number)
+        self.ctx = _Ctx(number, 1)
+        ctxp, lin = ctypes.POINTER(_Ctx), ctypes.POINTER(_Linear)
+        lib.lowbit_linear_mm.argtypes = [ctxp, lin, ptr, i64, ptr]
+        lib.lowbit_int4_dequant_t.argtypes = [lin, ptr, ctypes.c_int]
+        lib.lowbit_int8_dequant.argtypes = [lin, i64, i64, ptr, ctypes.c_int]
         lib.lowbit_add_rms_norm.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, f32, i64, i64, ptr]
         lib.lowbit_rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
         lib.lowbit_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr]
         blk = ctypes.POINTER(_Block)
-        lib.lowbit_block_pre.argtypes = [blk, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]
-        lib.lowbit_block_post.argtypes = [blk, i64, ptr, ptr, ptr, ctypes.c_int]
-        lib.lowbit_decode_layers.argtypes = [blk, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64,
-                                             f32, ctypes.c_int]
+        lib.lowbit_block_pre.argtypes = [ctxp, blk, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr]
+        lib.lowbit_block_post.argtypes = [ctxp, blk, i64, ptr, ptr, ptr]
+        lib.lowbit_decode_layers.argtypes = [ctxp, blk, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr,
+                                             i64, f32]
         lib.lowbit_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
                                                 ptr, i64, f32, ptr, ctypes.c_int]
         side = ctypes.POINTER(_KVSide)
         lib.lowbit_kv_write.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, side, ptr]
-        lib.lowbit_decode_paged_layers.argtypes = [blk, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, side, side, ptr, ptr,
-                                                   ptr, ptr, ptr, i64, f32, ctypes.c_int]
+        lib.lowbit_decode_paged_layers.argtypes = [ctxp, blk, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, side, side, ptr,
+                                                   ptr, ptr, ptr, ptr, i64, f32]
         lib.lowbit_paged_decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, side, side,
                                                       ptr, i64, f32, ptr, ctypes.c_int]
 
-    def int4_mm(self, x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, group_size: int) -> torch.Tensor:
-        """x fp32 [M, Kp]; packed uint8 (torch 2.13's CPU tile layout of [Np, Kp] codes);
-        scale_min fp16 [G, Np, P] → y fp32 [M, Np]."""
-        M, K = x.shape
-        G, Np, P = scale_min.shape
-        _check(M, x, G * group_size == K and packed.numel() * 2 == Np * K and packed.is_contiguous()
-               and scale_min.is_contiguous() and scale_min.dtype == torch.float16)
-        x = x.contiguous()
-        xs = torch.empty(M, G)  # group sums of x, scratch
-        y = torch.empty(M, Np)
-        rc = self.lib.lowbit_int4_mm(x.data_ptr(), M, K, packed.data_ptr(), scale_min.data_ptr(), P, Np, group_size,
-                                     xs.data_ptr(), y.data_ptr(), torch.get_num_threads())
-        if rc:
-            raise ValueError(f"cpu int4 kernel refused M={M} K={K} Np={Np} group={group_size}")
-        return y
+    def with_isa(self, isa: str) -> "NativeKernels":
+        """The same library with its matmuls on another instruction set (tests and benchmarks: every
+        one gives the same bits)."""
+        return NativeKernels(self.lib, isa, self._sides)
 
-    def int8_mm(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """x fp32 [M, G*g]; qweight int8 [G, N, g]; scales fp16 [N, G] or fp32 [N, G] → y fp32 [M, N]."""
+    def _ctx(self) -> ctypes.Structure:
+        self.ctx.nthreads = torch.get_num_threads()
+        return ctypes.byref(self.ctx)
+
+    # The matmul over lowbit's packed layouts (cpu_wq_mm.c); `desc` is a _Linear
+    # (kernels/int4_mm.py, int8_mm.py build it from their packed forms and keep it).
+
+    def linear_mm(self, x: torch.Tensor, desc: _Linear) -> torch.Tensor:
+        """x fp32 [M, K] → y fp32 [M, N] = x @ W^T (+ bias), activations rounded per block of 32 to
+        16-bit codes (kernels/act_quant.py), integer dot products, fp32 epilogue."""
         M = x.shape[0]
-        G, N, g = qweight.shape
-        _check(M, x, x.shape[1] == G * g and tuple(scales.shape) == (N, G)
-               and scales.dtype in (torch.float16, torch.float32) and scales.is_contiguous()
-               and qweight.is_contiguous())
+        if M < 1 or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != desc.K:
+            raise ValueError(f"cpu native matmul: unsupported input {tuple(x.shape)} {x.dtype} for K={desc.K}")
         x = x.contiguous()
-        y = torch.empty(M, N)
-        rc = self.lib.lowbit_int8_mm(x.data_ptr(), M, G, N, g, qweight.data_ptr(), scales.data_ptr(),
-                                     int(scales.dtype == torch.float32), y.data_ptr(), torch.get_num_threads())
+        y = torch.empty(M, desc.N)
+        rc = self.lib.lowbit_linear_mm(self._ctx(), ctypes.byref(desc), x.data_ptr(), M, y.data_ptr())
         if rc:
-            raise ValueError(f"cpu int8 kernel refused M={M} N={N} G={G} g={g}")
+            raise ValueError(f"cpu native matmul refused kind={desc.kind} N={desc.N} K={desc.K} "
+                             f"group={desc.group} (status {rc})")
         return y
 
     # The exact path's weight tiles, bit-identical to the torch specs (kernels/int4_mm.py
     # dequantize_packed_t, int8_mm.py Int8Packed.dequantize): one pass instead of ~10 torch ops over
     # the tile (one exact pass over the default model's weights: ~0.4 s of dequantizing in torch).
 
-    def int4_dequant_t(self, packed: torch.Tensor, scale_min: torch.Tensor, group_size: int) -> torch.Tensor:
-        """packed uint8 (the tile layout of [Np, Kp] codes), scale_min fp16 [G, Np, P] → W^T fp32 [Kp, Np]."""
-        G, Np, P = scale_min.shape
-        Kp = G * group_size
-        if not (packed.is_contiguous() and scale_min.is_contiguous() and packed.numel() * 2 == Np * Kp
-                and scale_min.dtype == torch.float16):
-            raise ValueError(f"cpu int4 dequantize: unsupported layout {tuple(packed.shape)} {tuple(scale_min.shape)}")
-        out = torch.empty(Kp, Np)
-        if self.lib.lowbit_int4_dequant_t(packed.data_ptr(), scale_min.data_ptr(), P, Np, Kp, group_size,
-                                          out.data_ptr(), torch.get_num_threads()):
-            raise ValueError(f"cpu int4 dequantize refused Np={Np} K={Kp} group={group_size}")
+    def int4_dequant_t(self, desc: _Linear) -> torch.Tensor:
+        """An int4 weight → W^T fp32 [K, N]."""
+        out = torch.empty(desc.K, desc.N)
+        if self.lib.lowbit_int4_dequant_t(ctypes.byref(desc), out.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"cpu int4 dequantize refused N={desc.N} K={desc.K} group={desc.group}")
         return out
 
-    def int8_dequant(self, qweight: torch.Tensor, scales: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """qweight int8 [G, N, g], scales fp16 or fp32 [N, G] → rows start..stop-1 of W, fp32 [n, G*g]."""
-        G, N, g = qweight.shape
-        if not (qweight.is_contiguous() and scales.is_contiguous() and tuple(scales.shape) == (N, G)
-                and scales.dtype in (torch.float16, torch.float32) and 0 <= start <= stop <= N):
-            raise ValueError(f"cpu int8 dequantize: unsupported layout {tuple(qweight.shape)} rows {start}:{stop}")
-        out = torch.empty(stop - start, G * g)
-        self.lib.lowbit_int8_dequant(qweight.data_ptr(), scales.data_ptr(), int(scales.dtype == torch.float32), G, N,
-                                     g, start, stop, out.data_ptr(), torch.get_num_threads())
+    def int8_dequant(self, desc: _Linear, start: int, stop: int) -> torch.Tensor:
+        """An int8 weight → its rows start..stop-1, fp32 [n, K]."""
+        out = torch.empty(max(0, stop - start), desc.K)
+        if self.lib.lowbit_int8_dequant(ctypes.byref(desc), start, stop, out.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"cpu int8 dequantize refused rows {start}:{stop} of N={desc.N}")
         return out
 
     # The small per-row ops (kernels/cpu_block.c). Each takes fp32 rows whose last dim is contiguous
@@ -212,13 +235,13 @@ class NativeKernels:
 
     def block_pre(self, block: _Block, M: int, delta: torch.Tensor, residual: torch.Tensor, has_res: bool,
                   cos: torch.Tensor, sin: torch.Tensor, qkv: torch.Tensor) -> int:
-        return self.lib.lowbit_block_pre(ctypes.byref(block), M, delta.data_ptr(), residual.data_ptr(), int(has_res),
-                                         cos.data_ptr(), sin.data_ptr(), qkv.data_ptr(), torch.get_num_threads())
+        return self.lib.lowbit_block_pre(self._ctx(), ctypes.byref(block), M, delta.data_ptr(), residual.data_ptr(),
+                                         int(has_res), cos.data_ptr(), sin.data_ptr(), qkv.data_ptr())
 
     def block_post(self, block: _Block, M: int, attn: torch.Tensor, residual: torch.Tensor,
                    delta: torch.Tensor) -> int:
-        return self.lib.lowbit_block_post(ctypes.byref(block), M, attn.data_ptr(), residual.data_ptr(),
-                                          delta.data_ptr(), torch.get_num_threads())
+        return self.lib.lowbit_block_post(self._ctx(), ctypes.byref(block), M, attn.data_ptr(), residual.data_ptr(),
+                                          delta.data_ptr())
 
     def decode_layers(self, blocks, M: int, delta: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pos: torch.Tensor,
@@ -226,10 +249,10 @@ class NativeKernels:
         """Every block of a single-token step over the contiguous cache (cpu_block.c); blocks: a ctypes
         array of _Block; cache_k/v fp32 [L, B, Hkv, S, D] (rows of S contiguous). Returns the C status."""
         L, B, Hkv, S, D = cache_k.shape
-        return self.lib.lowbit_decode_layers(blocks, len(blocks), M, delta.data_ptr(), residual.data_ptr(),
+        return self.lib.lowbit_decode_layers(self._ctx(), blocks, len(blocks), M, delta.data_ptr(), residual.data_ptr(),
                                              cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
                                              cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), S, pos.data_ptr(),
-                                             window or 0, D ** -0.5, torch.get_num_threads())
+                                             window or 0, D ** -0.5)
 
     def decode_paged_layers(self, blocks, M: int, delta: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, slots: torch.Tensor, page_size: int, k_sides: list, v_sides: list,
@@ -240,10 +263,10 @@ class NativeKernels:
         ks = (_KVSide * len(k_sides))(*[self._side(*s, D) for s in k_sides])
         vs = (_KVSide * len(v_sides))(*[self._side(*s, D) for s in v_sides])
         return self.lib.lowbit_decode_paged_layers(
-            blocks, len(blocks), M, delta.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            self._ctx(), blocks, len(blocks), M, delta.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             slots.data_ptr(), page_size, ks, vs, None if write_rot is None else write_rot.data_ptr(),
             None if attn_rot is None else attn_rot.data_ptr(), ctx.data_ptr(), tables.data_ptr(), toff.data_ptr(),
-            window or 0, D ** -0.5, torch.get_num_threads())
+            window or 0, D ** -0.5)
 
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                          cache_v: torch.Tensor, pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -324,7 +347,7 @@ class NativeKernels:
             side = _KVSide(16, D, t["data"].data_ptr(), None, None)
         else:
             ok = all(x.is_contiguous() for x in t.values()) and t["scales"].dtype == torch.float16 \
-                and t["scales"].shape[-1] * group == D and group % 2 == 0
+                and t["scales"].shape[-1] * group == D and group % (16 if bits == 4 else 8) == 0  # vector steps
             side = _KVSide(bits, group, t["codes"].data_ptr(), t["scales"].data_ptr(),
                            t["mins"].data_ptr() if bits == 4 else None)
         if not ok or bits not in (4, 8, 16):
@@ -332,35 +355,54 @@ class NativeKernels:
         return side
 
 
-def _check(M: int, x: torch.Tensor, shapes_ok: bool) -> None:
-    if M < 1 or x.dtype != torch.float32 or x.device.type != "cpu" or not shapes_ok:
-        raise ValueError(f"cpu native matmul: unsupported input {tuple(x.shape)} {x.dtype}")
-
-
 @functools.lru_cache(maxsize=1)
 def native() -> NativeKernels | None:
     """The built kernels, or None (no compiler, a failed build, a CPU without AVX2/FMA/F16C,
-    LOWBIT_NATIVE=0). Built once per process; the .so is reused across processes."""
-    if os.environ.get("LOWBIT_NATIVE", "1") == "0":
+    LOWBIT_NATIVE=0). LOWBIT_NATIVE=avx2 | vnni256 | avx512 runs the matmuls on that instruction set
+    instead of the best one (side-by-side benchmarks; every one gives the same bits). Built once per
+    process; the .so is reused across processes."""
+    choice = os.environ.get("LOWBIT_NATIVE", "1")
+    if choice == "0":
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
-        if not lib.lowbit_native_ok():
-            return None  # compiled without AVX2/FMA/F16C: torch's kernels are the faster choice
-        return NativeKernels(lib)
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        warnings.warn(f"lowbit's C decode kernels are unavailable ({e}); using torch's CPU kernels", RuntimeWarning,
-                      stacklevel=2)
+        kernels = load(_build())
+        return kernels.with_isa(choice) if kernels is not None and choice != "1" else kernels
+    except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
+        warnings.warn(f"lowbit's C decode kernels are unavailable ({e}); using the plain-torch exact path",
+                      RuntimeWarning, stacklevel=2)
         return None
 
 
-def _build() -> Path:
+def load(path: Path) -> NativeKernels | None:
+    """A built library (from `_build`) → its kernels, or None where the CPU lacks AVX2/FMA/F16C."""
+    lib = ctypes.CDLL(str(path))
+    return NativeKernels(lib) if lib.lowbit_native_ok() else None
+
+
+def variants(flags: set[str]) -> list[tuple[Isa, tuple[str, ...]]]:
+    """The tile kernels a CPU with these /proc/cpuinfo flags gets: (Isa, compiler flags) each."""
+    out = []
+    for isa in ISAS:
+        for needs, cflags in zip(isa.needs, isa.flags):
+            if set(needs) <= flags:
+                out.append((isa, cflags))
+                break
+    return out
+
+
+def _build(cpu_flags: set[str] | None = None) -> Path:
+    """Compile the library for a CPU with `cpu_flags` (default: this one's), once per set of sources,
+    compiler and flags, into the user cache directory. Tests pass a smaller set to build what an
+    AVX2-only machine builds."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc) on PATH")
-    src = b"".join(s.read_bytes() for s in (*SOURCES, HEADER))
+    flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
+    wanted = variants(flags)
+    src = b"".join(s.read_bytes() for s in (*SOURCES, TILES, HEADER))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(src + version.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    plan = " ".join(_FLAGS) + "|" + ";".join(f"{i.name}:{' '.join(f)}" for i, f in wanted)
+    key = hashlib.sha256(src + version.encode() + plan.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
     import platformdirs  # here, not at import: kernels stay importable without it
 
     out = Path(platformdirs.user_cache_dir("lowbit")) / "native" / f"cpu_kernels-{key}.so"
@@ -370,20 +412,43 @@ def _build() -> Path:
     if sys.stderr.isatty():  # a first run pauses here: say why (measured 4.4 s on 2 cores)
         print("lowbit: building the C kernels for this CPU (once, a few seconds)", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build aside, then rename: concurrent builds are safe
-        so = Path(tmp) / out.name
-        r = subprocess.run([cc, *_FLAGS, *map(str, SOURCES), "-o", str(so), "-lm"], capture_output=True, text=True, timeout=120)
-        if r.returncode:
-            raise RuntimeError(f"{cc} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+        tmp = Path(tmp)
+        jobs = {isa.name: ([cc, *_FLAGS, *cflags, f"-DLB_ISA={isa.number}", "-c", str(TILES), "-o",
+                            str(tmp / f"tiles_{isa.name}.o")], isa.name == "avx2") for isa, cflags in wanted}
+        built = [name for name, ok in _compile_all(jobs).items() if ok]  # a compiler without -mavxvnni drops that one
+        have = [f"-DLB_HAVE_{n.upper()}=1" for n in built if n != "avx2"]
+        so = tmp / out.name
+        _run([cc, *_FLAGS, *have, "-shared", "-Wl,-Bsymbolic", *map(str, SOURCES),
+              *(str(tmp / f"tiles_{n}.o") for n in built), "-o", str(so), "-lm"])
         os.replace(so, out)
     return out
 
 
-def _cpu_flags() -> str:
-    """What -march=native compiles for: the CPU's feature flags (Linux), else the machine name."""
+def _compile_all(jobs: dict[str, tuple[list[str], bool]]) -> dict[str, bool]:
+    """Run the compile commands side by side → which succeeded; a required one failing raises."""
+    procs = {name: (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), required)
+             for name, (cmd, required) in jobs.items()}
+    ok = {}
+    for name, (p, required) in procs.items():
+        _, err = p.communicate(timeout=120)
+        ok[name] = p.returncode == 0
+        if not ok[name] and required:
+            raise RuntimeError(f"the C compiler failed: {err.strip().splitlines()[-1] if err.strip() else p.returncode}")
+    return ok
+
+
+def _run(cmd: list[str]) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    if r.returncode:
+        raise RuntimeError(f"the C compiler failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo on Linux); empty where there is none to read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return line
+                return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.machine()
+    return set()

@@ -1,91 +1,129 @@
-"""int8 weight-only matmul: y[M, N] = x[M, K] @ dequant(W)[N, K]^T, W = scale * q.
+"""int8 weight-only matmul on CPU: y[M, N] = x[M, K] @ dequant(W)[N, K]^T, W = scale * q.
 
-CPU, like int4 (kernels/int4_mm.py), has two paths chosen by M:
+Like int4 (kernels/int4_mm.py), the weight is repacked once into lowbit's own tile layout
+(`Int8Packed`, written by `int8_pack`):
 
-- M < EXACT_MIN_ROWS: lowbit's C kernel (kernels/cpu_native.py), fp32, exact fp16 scales (LM head
-  49152x576 Q8_0: 4.4 ms at M = 1, 11.4 ms at M = 5). Without it, torch's fused
-  `_weight_int8pack_mm`, which takes one scale per output channel and is fast only in bf16 (LM
-  head, M = 1: bf16 2.3 ms, fp32 20.7 ms): per-group scales (GGUF Q8_0: one per 32 weights) are
-  served by calling it once per group on that group's columns and summing (LM head, M = 1: 4.6 ms,
-  M = 5: 20 ms).
-  The codes are kept group-major [G, N, g] so each group's slice is contiguous, and rows can still
-  be gathered for embedding lookups.
-- M >= EXACT_MIN_ROWS: exact fp32 — row tiles dequantized with the exact scales, fp32 GEMM.
+    tiles of 16 output rows (N padded to 16 with zero weights), tiles contiguous; a tile is G units,
+    one per group of g k (32, 64, 128; per channel: one group of K rounded up to 32); a unit is the
+    16 rows' scales (fp16 [16], or fp32 [16] per channel), then g / 32 blocks of codes, each 8 x 64
+    bytes in VNNI quad order: byte [j][r][i] = q[r][4j + i] + 128 (stored unsigned, so one u8 x s8
+    dot product instruction multiplies them; the kernels subtract 128 x the activations' sum).
 
-The kernel reads K in steps of 8 (K % 8 != 0 returns garbage or crashes), so per-channel codes
-are zero-padded to a multiple of 8; group sizes (32/64/128) already are.
+The same layout is the embedding table of a tied model (the default model's Q8_0 token_embd):
+`rows` gathers a few rows of it for lookups, and the LM head multiplies it whole.
+
+Two paths, chosen as int4's: the C kernel (16-bit activation codes, exact integer block sums, one
+fp32 epilogue; `int8_mm_fast_ref` is its spec bit for bit; the default model's 49152x576 LM head)
+and the exact path (row tiles dequantized with the exact scales, fp32 GEMM), which is also what runs
+everywhere the C kernels are not built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from lowbit.kernels import cpu_native
-from lowbit.kernels.int4_mm import EXACT_MIN_ROWS
+from lowbit.kernels.act_quant import BLOCK, act_quant_ref
+from lowbit.kernels.exact_mm import exact_linear
+from lowbit.kernels.int4_mm import EXACT_MIN_ROWS, TILE
 
 _TILE_ELEMS = 1 << 22  # exact path: dequantize ~4M weights (16 MB fp32) at a time
 
 
 @dataclass
 class Int8Packed:
-    qweight: torch.Tensor  # int8 [G, N, g] group-major (per channel: [1, N, Kp8])
-    scales: torch.Tensor  # fp16 [N, G] (grouped) or fp32 [N, 1]: the exact scales
-    scales_t: torch.Tensor  # bf16 [G, N]: what the fused kernel multiplies by
+    data: torch.Tensor  # uint8 [N/16, G, U]: per tile and group, 16 scales (fp16 or fp32), then the codes + 128
+    group: int  # k per group (per channel: Kp)
+    scale_bytes: int  # 2 (fp16 scales) or 4 (fp32, per channel)
+    out_features: int  # N before padding to 16 rows
     in_features: int  # K before padding
+    desc: object = field(default=None, repr=False, compare=False)  # the C kernels' descriptor, built once
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        T, G, _ = self.data.shape
+        return T * TILE, G * self.group
+
+    def c_desc(self) -> "cpu_native._Linear":
+        if self.desc is None:
+            Np, Kp = self.padded_shape
+            self.desc = cpu_native._Linear(2, Np, Kp, self.group, self.scale_bytes, self.data.data_ptr(), None)
+        return self.desc
+
+    def _tiles(self, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Some tiles' (codes q int8 [n, 16, Kp], scales fp32 [n, 16, G]) in row order."""
+        t = self.data[index]  # [n, G, U]
+        n, G, _ = t.shape
+        nb = self.group // BLOCK
+        sb = 16 * self.scale_bytes
+        sc = t[..., :sb].contiguous().view(torch.float16 if self.scale_bytes == 2 else torch.float32)  # [n, G, 16]
+        c = t[..., sb:].reshape(n, G, nb, 8, TILE, 4)  # [n, g, block, j, r, i]: k = 32 block + 4j + i
+        q = (c.permute(0, 4, 1, 2, 3, 5).reshape(n, TILE, G * self.group).to(torch.int16) - 128).to(torch.int8)
+        return q, sc.transpose(1, 2).float()  # [n, 16, Kp], [n, 16, G]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (embedding lookup), fp32 [len(ids), K]."""
-        return self.dequantize(ids)[:, : self.in_features]
+        q, sc = self._tiles(ids // TILE)  # one tile per id
+        r = ids % TILE
+        q, sc = q[torch.arange(len(ids)), r], sc[torch.arange(len(ids)), r]  # [n, Kp], [n, G]
+        w = sc[:, :, None] * q.view(len(ids), -1, self.group).float()  # [n, G, g]
+        return w.reshape(len(ids), -1)[:, : self.in_features]
 
-    def dequantize(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
-        """Exact fp32 [n, Kp] of some rows (an index tensor or a slice)."""
-        if isinstance(rows, slice) and rows.step is None and self.qweight.device.type == "cpu" \
-                and (kernels := cpu_native.native()) is not None:  # the same numbers, in one C pass
-            start, stop, _ = rows.indices(self.qweight.shape[1])
-            return kernels.int8_dequant(self.qweight, self.scales, start, max(start, stop))
-        q = self.qweight[:, rows, :]  # [G, n, g]
-        w = q.float() * self.scales[rows].t().float().unsqueeze(-1)  # [G, n, g]
-        return w.permute(1, 0, 2).reshape(q.shape[1], -1)
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """Exact fp32 [n, Kp] of rows start..stop-1: scale * q, as the spec."""
+        Np, Kp = self.padded_shape
+        start, stop, _ = rows.indices(Np)
+        stop = max(start, stop)
+        if self.data.device.type == "cpu" and (kernels := cpu_native.native()) is not None:
+            return kernels.int8_dequant(self.c_desc(), start, stop)  # the same numbers, in one C pass
+        q, sc = self._tiles(slice(start // TILE, -(-stop // TILE)))
+        w = sc[..., None] * q.view(*q.shape[:2], -1, self.group).float()  # [n, 16, G, g]
+        return w.reshape(-1, Kp)[start % TILE: start % TILE + stop - start]
 
 
 def int8_pack(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> Int8Packed:
-    """qweight int8 [N, Kp], scales [N, G] → group-major packed form."""
+    """qweight int8 [N, Kp], scales [N, G] (fp16 per group, or fp32 [N, 1] per channel) → lowbit's
+    tile layout (module docstring)."""
     N, Kp = qweight.shape
     G = scales.shape[1]
-    if G == 1 and Kp % 8:
-        qweight = F.pad(qweight, (0, 8 - Kp % 8))
+    per_channel = G == 1 and scales.dtype == torch.float32
+    if per_channel and Kp % BLOCK:  # one group of K: zero codes up to whole activation blocks
+        qweight = F.pad(qweight, (0, BLOCK - Kp % BLOCK))
         Kp = qweight.shape[1]
-    q = qweight.view(N, G, Kp // G).transpose(0, 1).contiguous()  # [G, N, g]
-    return Int8Packed(q, scales.contiguous(), scales.t().contiguous().to(torch.bfloat16), in_features)
+    g = Kp // G
+    if g % BLOCK or Kp % G:
+        raise ValueError(f"int8 layout: K={Kp} in {G} groups (groups must be whole and a multiple of {BLOCK})")
+    Np = -(-N // TILE) * TILE
+    T, nb = Np // TILE, g // BLOCK
+    u = (F.pad(qweight, (0, 0, 0, Np - N)).to(torch.int16) + 128).to(torch.uint8)  # [Np, Kp], pad rows q = 0
+    u = u.view(T, TILE, G, nb, 8, 4).permute(0, 2, 3, 4, 1, 5).reshape(T, G, nb * 512)  # [t, g, block, j, r, i]
+    sdt = torch.float32 if per_channel else torch.float16
+    sc = F.pad(scales.to(sdt), (0, 0, 0, Np - N)).view(T, TILE, G).transpose(1, 2).contiguous().view(torch.uint8)
+    data = torch.cat([sc, u], dim=-1).contiguous()  # [T, G, 16 * scale bytes + 16 g]
+    return Int8Packed(data, g, 4 if per_channel else 2, N, in_features)
 
 
 def int8_mm(x: torch.Tensor, w: Int8Packed, exact: bool | None = None) -> torch.Tensor:
-    """x [M, K] → y [M, N]: exact fp32 when `exact` (default: M >= EXACT_MIN_ROWS), else from the C
-    kernel (fp32) or torch's bf16 fused kernel."""
+    """x [M, K] → y fp32 [M, N]: exact when `exact` (default: M >= EXACT_MIN_ROWS) or where the C
+    kernels are not built, else the C kernel's integer path."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"int8_mm: x has shape {tuple(x.shape)}, expected [M, {w.in_features}]")
     if x.device.type != "cpu":
         raise NotImplementedError("int8_mm: only the CPU path exists yet")
-    G, N, g = w.qweight.shape
-    if G * g != w.in_features:
-        x = F.pad(x, (0, G * g - w.in_features))
-    if exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS:
-        x = x.float()
-        step = max(1, _TILE_ELEMS // (G * g))
-        return torch.cat([F.linear(x, w.dequantize(slice(i, i + step))) for i in range(0, N, step)], dim=-1)
-    if (kernels := cpu_native.native()) is not None:
-        return kernels.int8_mm(x.float(), w.qweight, w.scales)
-    x = x.to(torch.bfloat16)
-    if G == 1:
-        return torch._weight_int8pack_mm(x.contiguous(), w.qweight[0], w.scales_t[0])
-    xs = x.view(x.shape[0], G, g)  # [M, G, g]
-    y = torch._weight_int8pack_mm(xs[:, 0].contiguous(), w.qweight[0], w.scales_t[0]).float()
-    for i in range(1, G):
-        y += torch._weight_int8pack_mm(xs[:, i].contiguous(), w.qweight[i], w.scales_t[i])
-    return y
+    Np, Kp = w.padded_shape
+    x = x.float()
+    if Kp != w.in_features:
+        x = F.pad(x, (0, Kp - w.in_features))
+    kernels = cpu_native.native()
+    if kernels is None or (exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS) or x.shape[0] == 0:
+        step = max(TILE, _TILE_ELEMS // Kp // TILE * TILE)
+        return torch.cat([exact_linear(x, w.dequantize(slice(i, min(i + step, w.out_features))))
+                          for i in range(0, w.out_features, step)], dim=-1)
+    y = kernels.linear_mm(x, w.c_desc())
+    return y[:, : w.out_features] if Np != w.out_features else y
 
 
 def int8_dequant_ref(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -99,3 +137,21 @@ def int8_dequant_ref(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
 def int8_mm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The matmul's spec in fp32: dequantize then multiply."""
     return x.float() @ int8_dequant_ref(qweight, scales)[:, : x.shape[1]].t()
+
+
+def int8_mm_fast_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fast path's spec, bit for bit: x [M, Kp] (Kp whole groups, a multiple of 32) → y fp32 [M, N].
+
+    Per row and block b of 32: q, s = act_quant_ref(x); T = sum q_w q (exact); then in k order,
+    y = y + (float)T * (d * s). (float)T rounds to nearest even where |T| >= 2^24, as the kernels'
+    conversion does."""
+    M, Kp = x.shape
+    N, G = scales.shape
+    q, s = act_quant_ref(x)  # [M, Kp], [M, B]
+    B = Kp // BLOCK
+    T = torch.einsum("mbk,nbk->mnb", q.view(M, B, BLOCK).long(), qweight.view(N, B, BLOCK).long())  # [M, N, B]
+    per_block = Kp // G // BLOCK
+    y = torch.zeros(M, N)
+    for b in range(B):
+        y = y + T[:, :, b].float() * (scales[:, b // per_block].float()[None, :] * s[:, b:b + 1])
+    return y

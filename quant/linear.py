@@ -4,8 +4,9 @@ Each layout is turned once, at construction, into the form its backend's kernel 
 that form is kept: no full-precision shadow copy of a quantized weight ever exists. Every tensor
 is also registered as a buffer so `model.buffers()` is the honest count of bytes held.
 
-Two sets of kernels (`LinearKernels`): torch's CPU kernels (kernels/int4_mm.py, int8_mm.py) and
-the Triton kernel for CUDA (kernels/wq_mm.py). The model picks one set per model
+Two sets of kernels (`LinearKernels`): the CPU's (kernels/int4_mm.py, int8_mm.py: lowbit's C kernels
+on its own packed layouts, or the exact dequantize + fp32 GEMM path) and the Triton kernel for CUDA
+(kernels/wq_mm.py). The model picks one set per model
 (models/backend.py); layers never test the device themselves. bitsandbytes' layouts (quant/bnb.py)
 are kept as bitsandbytes holds them and multiplied by bitsandbytes, on CPU only.
 """
@@ -18,6 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from lowbit.kernels.exact_mm import exact_linear
 from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack
 from lowbit.kernels.int8_mm import Int8Packed, int8_mm, int8_pack
 from lowbit.kernels.wq_mm import wq_mm, wq_pack_int4, wq_pack_int8, wq_rows
@@ -64,8 +66,9 @@ def _float_linear(x: torch.Tensor, w: FloatWeight, exact: bool | None) -> torch.
     """Float weights multiply in their own dtype; exact=True in fp32 (an fp32 copy of the weight for
     this call only), so the exact path means the same on every backend: fp16 GEMMs round differently
     on CPU and in cuBLAS (5e-4 on logits, measured on an H200)."""
-    if exact:
-        return torch.nn.functional.linear(x.float(), w.weight.float())
+    if exact:  # rows independent of how many share the call (kernels/exact_mm.py)
+        return exact_linear(x.float(), w.weight.float()) if x.device.type == "cpu" else \
+            torch.nn.functional.linear(x.float(), w.weight.float())
     return torch.nn.functional.linear(x.to(w.weight.dtype), w.weight)
 
 

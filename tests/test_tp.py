@@ -90,9 +90,12 @@ class TestTinyTP2:
     def test_steps_and_greedy_replies_equal_one_process(self, models):
         tp, one = models
         prompts = [tp.tokenizer.encode(t, add_special=False) for t in ("the thing is", "this is a longer prompt")]
-        # exact prompt rows and fast generated rows, two sequences batched: measured max 4.2e-6 of
-        # the largest logit; a wrong slice or a missing all-reduce moves them by O(1)
-        engine = assert_same_run(tp.model, one.model, tp.tokenizer, prompts, 10, rtol=2e-5)
+        # exact prompt rows and fast generated rows, two sequences batched. Fast rows round each block
+        # of 32 activations to 16-bit codes (kernels/act_quant.py): an all-reduced sum that differs
+        # from one process's in its last bit can land on the other side of a code boundary, a step of
+        # 2^-15 of its block's largest value (3e-5). Measured max 2.2e-5 of the largest logit (4.2e-6
+        # with fp32 activations); a wrong slice or a missing all-reduce moves them by O(1)
+        engine = assert_same_run(tp.model, one.model, tp.tokenizer, prompts, 10, rtol=1e-4)
         info = tp.model.rank_info(engine.pool)
         assert [i["rank"] for i in info] == [0, 1]
         assert [i["kv_heads"] for i in info] == [N_KV_HEADS // 2] * 2

@@ -14,13 +14,16 @@ engines' own counters.
   tokens). llama.cpp: reset(); eval(ids) — reset sets n_tokens = 0, so eval drops the whole KV
   cache and decodes all 512 tokens again in one llama_decode (n_batch = n_ubatch = 512).
   tok/s = 512 / seconds.
-- decode fused: prompt (--prompt, lowbit's tokenizer; same ids for both) prefilled untimed, then
-  --decode-tokens single-token steps, each a forward of the previous token plus greedy argmax,
-  end tokens ignored. lowbit: model(..., exact=False) (its decode kernels: the C kernel of
-  kernels/cpu_native.py where it builds); llama.cpp: eval([tok]) and argmax of
-  llama_get_logits_ith(ctx, -1). tok/s = tokens / loop seconds.
-- decode, torch kernels: the same lowbit loop with the C kernel hidden, so torch's fused bf16
-  kernels run (the lever's effect, side by side; "ratio" is against llama.cpp as in every row).
+- decode, engine: what `lowbit run --fast-greedy`, `serve` and `chat` decode with — one greedy
+  request through lowbit's engine (paged k8v4 KV cache, every step one C call over the pool), its
+  prompt (--prompt, lowbit's tokenizer; same ids for both) prefilled untimed, then --decode-tokens
+  steps, end tokens ignored; tok/s = tokens / seconds of those steps. llama.cpp: eval([tok]) and
+  argmax of llama_get_logits_ith(ctx, -1) per token (its f16 cache), tok/s = tokens / loop seconds.
+- decode, contiguous: the same single-token steps through lowbit's contiguous fp32 cache
+  (model(..., exact=False): `lowbit run`'s verified greedy drafts with it).
+- decode, torch only: the contiguous loop with the C kernels hidden, so every matmul takes the
+  plain-torch exact path (what runs where no C compiler is found; "ratio" is against llama.cpp as
+  in every row).
 - decode verified greedy: lowbit.runtime.generate.generate(..., temperature 0, verify_greedy=True),
   the exact model's greedy reply drafted by the fused kernels; tok/s = its decode_tok_s (tokens
   after the first / first-to-last seconds; stops early at an end token, tokens reported). Its
@@ -43,6 +46,16 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TEXT = REPO / "tests/data/wikitext2_test_excerpt.txt"
 DEFAULT_PROMPT = "The history of the city of Rome, from its founding to the fall of the Western Empire, is"
 PREFILL = 512
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), which every figure should be quoted with."""
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+        return platform.processor() or platform.machine()
 
 
 def timed(fn) -> float:
@@ -68,8 +81,20 @@ def lowbit_decode(lm, prompt, n) -> float:
         return n / (time.perf_counter() - t0)
 
 
+def lowbit_engine_decode(lm, prompt, n) -> float:
+    from lowbit.runtime.engine import Engine
+    from lowbit.runtime.sampler import SamplingParams
+    engine = Engine(lm.model, lm.tokenizer, kv_memory=64 << 20)
+    engine.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
+    engine.step()  # the prompt (and the first token)
+    t0, made = time.perf_counter(), 0
+    while engine.has_work():
+        made += sum(len(d.token_ids) for d in engine.step())
+    return made / (time.perf_counter() - t0)
+
+
 def lowbit_decode_torch_kernels(lm, prompt, n) -> float:
-    """lowbit_decode with torch's fused bf16 kernels and plain-torch small ops in place of the C kernels."""
+    """lowbit_decode with the C kernels hidden: the plain-torch exact path and small ops."""
     from lowbit.kernels import cpu_native
     saved = cpu_native.native
     cpu_native.native = lambda: None
@@ -124,6 +149,8 @@ def main(argv=None) -> int:
 
     path = Path(a.model) if a.model else resolve("smollm2-135m")
     torch.set_num_threads(a.threads)
+    from lowbit.kernels import cpu_native
+    kernels = cpu_native.native()
     t0 = time.perf_counter()
     lm = load(str(path), progress=False)
     load_lowbit = time.perf_counter() - t0
@@ -138,13 +165,15 @@ def main(argv=None) -> int:
     load_llama = time.perf_counter() - t0
 
     # warm-up (one-time allocations, kernel selection), not reported
-    lowbit_prefill(lm, ids), lowbit_decode(lm, prompt, 4), llama_prefill(llm, ids), llama_decode(llm, prompt, 4)
+    lowbit_prefill(lm, ids), lowbit_decode(lm, prompt, 4), lowbit_engine_decode(lm, prompt, 4)
+    llama_prefill(llm, ids), llama_decode(llm, prompt, 4)
 
-    s = {k: [] for k in ("prefill_lowbit", "prefill_llama", "decode_lowbit", "decode_lowbit_torch", "decode_llama",
-                         "verified_lowbit")}
+    s = {k: [] for k in ("prefill_lowbit", "prefill_llama", "decode_engine", "decode_lowbit", "decode_lowbit_torch",
+                         "decode_llama", "verified_lowbit")}
     verified_tokens = []
     for _ in range(a.reps):
         s["prefill_lowbit"].append(PREFILL / timed(lambda: lowbit_prefill(lm, ids)))
+        s["decode_engine"].append(lowbit_engine_decode(lm, prompt, n))
         s["decode_lowbit"].append(lowbit_decode(lm, prompt, n))
         s["decode_lowbit_torch"].append(lowbit_decode_torch_kernels(lm, prompt, n))
         tps, got = lowbit_verified(lm, prompt, n)
@@ -155,11 +184,12 @@ def main(argv=None) -> int:
 
     med = {k: statistics.median(v) for k, v in s.items()}
     rows = [("prefill 512 tok (tok/s)", "prefill_lowbit", "prefill_llama"),
-            ("decode (tok/s)", "decode_lowbit", "decode_llama"),
-            ("decode, torch kernels", "decode_lowbit_torch", "decode_llama"),
+            ("decode, engine (tok/s)", "decode_engine", "decode_llama"),
+            ("decode, contiguous", "decode_lowbit", "decode_llama"),
+            ("decode, torch only", "decode_lowbit_torch", "decode_llama"),
             ("decode verified greedy", "verified_lowbit", "decode_llama")]
     out = {
-        "model": path.name, "threads": a.threads, "reps": a.reps, "prompt_tokens": len(prompt),
+        "model": path.name, "threads": a.threads, "cpu": cpu_name(), "isa": kernels.isa if kernels else None, "reps": a.reps, "prompt_tokens": len(prompt),
         "decode_tokens": n, "verified_tokens": verified_tokens,
         "load_s": {"lowbit": round(load_lowbit, 3), "llama.cpp": round(load_llama, 3)},
         "metrics": {label: {"lowbit": round(med[lo], 2), "llama.cpp": round(med[ll], 2),
@@ -171,6 +201,7 @@ def main(argv=None) -> int:
         return 0
     print(f"model {path.name}, threads {a.threads}, reps {a.reps}, torch {torch.__version__}, "
           f"llama-cpp-python {llama_cpp.__version__}")
+    print(f"CPU {cpu_name()}; lowbit's matmuls on {out['isa'] or 'plain torch (no C kernels)'}")
     print(f"load seconds: lowbit {load_lowbit:.2f}, llama.cpp {load_llama:.2f}")
     print(f"{'metric':<27}{'lowbit':>10}{'llama.cpp':>12}{'ratio':>9}")
     for label, lo, ll in rows:

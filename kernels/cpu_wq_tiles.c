@@ -1,0 +1,322 @@
+/* The integer inner loops of the CPU matmul y = x @ W^T: output tiles of lowbit's packed layouts
+ * (cpu_kernels.h) times activations quantized per block of 32 (kernels/act_quant.py). This file is
+ * compiled once per instruction set the CPU has (kernels/cpu_native.py), each copy named by its set:
+ *
+ *   LB_ISA 1  *_avx2     AVX2: vpmaddubsw (u8 codes x s8 planes) into int16, vpmaddwd to int32;
+ *                        int8 weights: vpmaddwd of the zero-extended codes by the int16 activations
+ *   LB_ISA 2  *_vnni256  vpdpbusd on 256 bits (AVX-VNNI, or AVX-512 VL where that is what the CPU has)
+ *   LB_ISA 3  *_avx512   AVX-512 VNNI: vpdpbusd on 512 bits, a whole 16-row tile per instruction
+ *
+ * Per 32-k block every path forms the same exact integer, T = sum_k u_k q_k (int4, u in 0..15) or
+ * sum_k (q_w,k + 128) q_k (int8, the codes stored offset to unsigned), from the planes q = 256 h + l:
+ * T = 256 sum(u h) + sum(u l). Then one epilogue, the same fp32 operations in the same order on every
+ * path (kernels/int4_mm.py int4_mm_fast_ref, int8_mm.py int8_mm_fast_ref are its spec):
+ *
+ *   int4, w = d u + m:   y = y + (float)T * (d * s);  y = y + m * sS        (sS = s * (float)S)
+ *   int4, w = d (u - 8): y = y + (float)(T - 8 S) * (d * s)
+ *   int8, w = d q:       y = y + (float)(T - 128 S) * (d * s)
+ *
+ * blocks in k order, s and S = sum_k q_k the row's block scale and code sum. A row's result therefore
+ * depends on its own activations only — not on how many rows a call has, nor on the instruction set
+ * (tests/test_cpu_native.py checks both bit for bit). Overflow: int4 |T| <= 15 * 32512 * 32 < 2^24
+ * (exact in fp32); AVX2's int16 sums hold 8 vpmaddubsw pairs of <= 2 * 15 * 128 = 3840 (<= 30720);
+ * int8 T <= 255 * 32512 * 32 < 2^31.
+ *
+ * Rows of x go R at a time (a compile-time count: their integer sums live in registers); the tile's
+ * codes, a few KB, stay in L1 between the passes. The 256-bit paths take a tile as two halves of 8
+ * rows (the 32-byte half of each 64-byte chunk) and keep the fp32 sums in y itself: 16 ymm registers
+ * hold 4 rows' integer sums and the codes, not their fp32 sums as well (llvm-mca counted 64 spill
+ * moves per block of 4 rows when they did).
+ */
+#include <immintrin.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#if LB_ISA == 1
+#define NAME(f) f##_avx2
+#define RMAX_DEFAULT 4
+#elif LB_ISA == 2
+#define NAME(f) f##_vnni256
+#define RMAX_DEFAULT 4
+#if defined(__AVXVNNI__)
+#define DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+#define DPBUSD256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#endif
+#elif LB_ISA == 3
+#define NAME(f) f##_avx512
+#define RMAX_DEFAULT 4
+#else
+#error "compile with -DLB_ISA=1, 2 or 3"
+#endif
+#ifndef RMAX
+#define RMAX RMAX_DEFAULT
+#endif
+
+static inline int32_t load32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline int64_t load64(const void *p) {
+    int64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* Integer adds are associative, so GCC regroups a pass's chains of them: it forms every product of the
+ * block first and spills them (llvm-mca: 63 spill moves per block of 4 rows). Passing an accumulator
+ * through an empty asm after each step keeps the sums in order and the products in registers. */
+#define KEEP(v) __asm__("" : "+x"(v))
+
+/* Rows m0..m0+mc in passes of at most RMAX (1..4), each pass a compile-time R. */
+#define ROW_PASSES(F, m0, mc, ...)                                            \
+    for (int64_t r0 = (m0); r0 < (m0) + (mc); r0 += RMAX) {                   \
+        const int64_t rc = (m0) + (mc) - r0 < RMAX ? (m0) + (mc) - r0 : RMAX; \
+        if (rc >= 4 && RMAX >= 4) F(4 <= RMAX ? 4 : 1, r0, __VA_ARGS__);     \
+        else if (rc == 3 && RMAX >= 3) F(3 <= RMAX ? 3 : 1, r0, __VA_ARGS__); \
+        else if (rc == 2 && RMAX >= 2) F(2 <= RMAX ? 2 : 1, r0, __VA_ARGS__); \
+        else F(1, r0, __VA_ARGS__);                                           \
+    }
+
+/* The activation words one row's pass reads: hl of block b, 8 k group j (int4) or 4 k group j (int8). */
+#define HL(a, row, b, j, kper) ((a)->hl + 2 * ((row) * (a)->K + (b) * 32 + (kper) * (j)))
+
+#if LB_ISA == 3
+/* ---- 512 bits: 16 rows of a tile per vector, fp32 sums in registers ---- */
+
+static inline __attribute__((always_inline)) void int4_pass(const int R, int64_t m0, const lowbit_linear *w,
+                                                            const lowbit_qact *a, const uint8_t *tile, int64_t n0,
+                                                            float *y) {
+    const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P, U = 32 * P + 8 * w->group;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    __m512 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < G; gi++) {
+        const uint8_t *unit = tile + gi * U, *codes = unit + 32 * P;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)unit));
+        const __m512 mn = P == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + 32))) : d;
+        for (int64_t bb = 0; bb < nbg; bb++) {
+            const int64_t b = gi * nbg + bb;
+            __m512i th[4], tl[4];
+            for (int r = 0; r < R; r++) th[r] = tl[r] = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512(codes + bb * 256 + 64 * j);
+                const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *p = HL(a, m0 + r, b, j, 8);  /* h, l of k 8j..8j+3, then of 8j+4..8j+7 */
+                    th[r] = _mm512_dpbusd_epi32(th[r], lo, _mm512_set1_epi32(load32(p)));
+                    tl[r] = _mm512_dpbusd_epi32(tl[r], lo, _mm512_set1_epi32(load32(p + 4)));
+                    th[r] = _mm512_dpbusd_epi32(th[r], hi, _mm512_set1_epi32(load32(p + 8)));
+                    tl[r] = _mm512_dpbusd_epi32(tl[r], hi, _mm512_set1_epi32(load32(p + 12)));
+                    KEEP(th[r]);
+                    KEEP(tl[r]);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];
+                __m512i T = _mm512_add_epi32(_mm512_slli_epi32(th[r], 8), tl[r]);
+                if (P == 1) T = _mm512_sub_epi32(T, _mm512_set1_epi32(8 * q.S));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(T), _mm512_mul_ps(d, _mm512_set1_ps(q.s))));
+                if (P == 2) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mn, _mm512_set1_ps(q.sS)));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * w->N + n0, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void int8_pass(const int R, int64_t m0, const lowbit_linear *w,
+                                                            const lowbit_qact *a, const uint8_t *tile, int64_t n0,
+                                                            float *y) {
+    const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P, U = 16 * P + 16 * w->group;
+    __m512 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < G; gi++) {
+        const uint8_t *unit = tile + gi * U, *codes = unit + 16 * P;
+        const __m512 d = P == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)unit))
+                                : _mm512_loadu_ps((const float *)unit);
+        for (int64_t bb = 0; bb < nbg; bb++) {
+            const int64_t b = gi * nbg + bb;
+            __m512i th[4], tl[4];
+            for (int r = 0; r < R; r++) th[r] = tl[r] = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                const __m512i v = _mm512_loadu_si512(codes + bb * 512 + 64 * j);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *p = HL(a, m0 + r, b, j, 4);  /* h, l of k 4j..4j+3 */
+                    th[r] = _mm512_dpbusd_epi32(th[r], v, _mm512_set1_epi32(load32(p)));
+                    tl[r] = _mm512_dpbusd_epi32(tl[r], v, _mm512_set1_epi32(load32(p + 4)));
+                    KEEP(th[r]);
+                    KEEP(tl[r]);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];
+                const __m512i T = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(th[r], 8), tl[r]),
+                                                   _mm512_set1_epi32(128 * q.S));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(T), _mm512_mul_ps(d, _mm512_set1_ps(q.s))));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * w->N + n0, acc[r]);
+}
+
+#define INT4_PASS(R, r0, w, a, tile, n0, y) int4_pass(R, r0, w, a, tile, n0, y)
+#define INT8_PASS(R, r0, w, a, tile, n0, y) int8_pass(R, r0, w, a, tile, n0, y)
+
+void NAME(lowbit_int4_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, int64_t t0,
+                             int64_t t1, float *y) {
+    const int64_t tile_bytes = (w->K / w->group) * (32 * w->P + 8 * w->group);
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tile = w->data + t * tile_bytes;
+        ROW_PASSES(INT4_PASS, m0, mc, w, a, tile, t * LOWBIT_TILE, y)
+    }
+}
+
+void NAME(lowbit_int8_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, int64_t t0,
+                             int64_t t1, float *y) {
+    const int64_t tile_bytes = (w->K / w->group) * (16 * w->P + 16 * w->group);
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tile = w->data + t * tile_bytes;
+        ROW_PASSES(INT8_PASS, m0, mc, w, a, tile, t * LOWBIT_TILE, y)
+    }
+}
+
+#else
+/* ---- 256 bits: a tile in two halves of 8 rows, fp32 sums in y ---- */
+
+static inline __attribute__((always_inline)) void int4_pass(const int R, int64_t m0, const lowbit_linear *w,
+                                                            const lowbit_qact *a, const uint8_t *tile, int64_t n0,
+                                                            int half, float *y) {
+    const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P, U = 32 * P + 8 * w->group, N = w->N;
+    const __m256i low4 = _mm256_set1_epi8(15);
+#if LB_ISA == 1
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    float *yr = y + m0 * N + n0 + 8 * half;
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(yr + r * N, _mm256_setzero_ps());
+    for (int64_t gi = 0; gi < G; gi++) {
+        const uint8_t *unit = tile + gi * U, *codes = unit + 32 * P + 32 * half;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 16 * half)));
+        const __m256 mn = P == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 32 + 16 * half))) : d;
+        for (int64_t bb = 0; bb < nbg; bb++) {
+            const int64_t b = gi * nbg + bb;
+            __m256i th[4], tl[4];
+            for (int r = 0; r < R; r++) th[r] = tl[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + bb * 256 + 64 * j));
+                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *p = HL(a, m0 + r, b, j, 8);
+#if LB_ISA == 1
+                    th[r] = _mm256_add_epi16(th[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load32(p))));
+                    tl[r] = _mm256_add_epi16(tl[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load32(p + 4))));
+                    th[r] = _mm256_add_epi16(th[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load32(p + 8))));
+                    tl[r] = _mm256_add_epi16(tl[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load32(p + 12))));
+                    KEEP(th[r]);
+                    KEEP(tl[r]);
+#else
+                    th[r] = DPBUSD256(th[r], lo, _mm256_set1_epi32(load32(p)));
+                    tl[r] = DPBUSD256(tl[r], lo, _mm256_set1_epi32(load32(p + 4)));
+                    th[r] = DPBUSD256(th[r], hi, _mm256_set1_epi32(load32(p + 8)));
+                    tl[r] = DPBUSD256(tl[r], hi, _mm256_set1_epi32(load32(p + 12)));
+                    KEEP(th[r]);
+                    KEEP(tl[r]);
+#endif
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];
+#if LB_ISA == 1
+                __m256i T = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(th[r], ones), 8),
+                                             _mm256_madd_epi16(tl[r], ones));
+#else
+                __m256i T = _mm256_add_epi32(_mm256_slli_epi32(th[r], 8), tl[r]);
+#endif
+                if (P == 1) T = _mm256_sub_epi32(T, _mm256_set1_epi32(8 * q.S));
+                __m256 acc = _mm256_add_ps(_mm256_loadu_ps(yr + r * N),
+                                           _mm256_mul_ps(_mm256_cvtepi32_ps(T), _mm256_mul_ps(d, _mm256_set1_ps(q.s))));
+                if (P == 2) acc = _mm256_add_ps(acc, _mm256_mul_ps(mn, _mm256_set1_ps(q.sS)));
+                _mm256_storeu_ps(yr + r * N, acc);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_pass(const int R, int64_t m0, const lowbit_linear *w,
+                                                            const lowbit_qact *a, const uint8_t *tile, int64_t n0,
+                                                            int half, float *y) {
+    const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P, U = 16 * P + 16 * w->group, N = w->N;
+    float *yr = y + m0 * N + n0 + 8 * half;
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(yr + r * N, _mm256_setzero_ps());
+    for (int64_t gi = 0; gi < G; gi++) {
+        const uint8_t *unit = tile + gi * U, *codes = unit + 16 * P + 32 * half;
+        const __m256 d = P == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 16 * half)))
+                                : _mm256_loadu_ps((const float *)unit + 8 * half);
+        for (int64_t bb = 0; bb < nbg; bb++) {
+            const int64_t b = gi * nbg + bb;
+            __m256i ta[4], tb[4];
+            for (int r = 0; r < R; r++) ta[r] = tb[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *c = codes + bb * 512 + 64 * j;
+#if LB_ISA == 1
+                /* rows 0-3 and 4-7 of the half, 4 k each, as int16; x's 4 codes broadcast as 64 bits */
+                const __m256i ua = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
+                const __m256i ub = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
+                for (int r = 0; r < R; r++) {
+                    const __m256i xq = _mm256_set1_epi64x(load64(a->q + (m0 + r) * a->K + b * 32 + 4 * j));
+                    ta[r] = _mm256_add_epi32(ta[r], _mm256_madd_epi16(ua, xq));
+                    tb[r] = _mm256_add_epi32(tb[r], _mm256_madd_epi16(ub, xq));
+                    KEEP(ta[r]);
+                    KEEP(tb[r]);
+                }
+#else
+                const __m256i v = _mm256_loadu_si256((const __m256i *)c);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *p = HL(a, m0 + r, b, j, 4);
+                    ta[r] = DPBUSD256(ta[r], v, _mm256_set1_epi32(load32(p)));
+                    tb[r] = DPBUSD256(tb[r], v, _mm256_set1_epi32(load32(p + 4)));
+                    KEEP(ta[r]);
+                    KEEP(tb[r]);
+                }
+#endif
+            }
+            for (int r = 0; r < R; r++) {
+                const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];
+#if LB_ISA == 1
+                /* lanes [r0 r0 r1 r1 | r2 r2 r3 r3] and rows 4-7 alike: pair sums, then rows in order */
+                const __m256i Tu = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ta[r], tb[r]), 0xD8);
+#else
+                const __m256i Tu = _mm256_add_epi32(_mm256_slli_epi32(ta[r], 8), tb[r]);
+#endif
+                const __m256i T = _mm256_sub_epi32(Tu, _mm256_set1_epi32(128 * q.S));
+                _mm256_storeu_ps(yr + r * N, _mm256_add_ps(_mm256_loadu_ps(yr + r * N),
+                                                           _mm256_mul_ps(_mm256_cvtepi32_ps(T),
+                                                                         _mm256_mul_ps(d, _mm256_set1_ps(q.s)))));
+            }
+        }
+    }
+}
+
+#define INT4_PASS(R, r0, w, a, tile, n0, half, y) int4_pass(R, r0, w, a, tile, n0, half, y)
+#define INT8_PASS(R, r0, w, a, tile, n0, half, y) int8_pass(R, r0, w, a, tile, n0, half, y)
+
+void NAME(lowbit_int4_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, int64_t t0,
+                             int64_t t1, float *y) {
+    const int64_t tile_bytes = (w->K / w->group) * (32 * w->P + 8 * w->group);
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tile = w->data + t * tile_bytes;
+        for (int half = 0; half < 2; half++) ROW_PASSES(INT4_PASS, m0, mc, w, a, tile, t * LOWBIT_TILE, half, y)
+    }
+}
+
+void NAME(lowbit_int8_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, int64_t t0,
+                             int64_t t1, float *y) {
+    const int64_t tile_bytes = (w->K / w->group) * (16 * w->P + 16 * w->group);
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tile = w->data + t * tile_bytes;
+        for (int half = 0; half < 2; half++) ROW_PASSES(INT8_PASS, m0, mc, w, a, tile, t * LOWBIT_TILE, half, y)
+    }
+}
+#endif

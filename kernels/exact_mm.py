@@ -1,0 +1,33 @@
+"""The exact path's fp32 GEMM, each row's result independent of how many rows share the call.
+
+torch's CPU GEMM (MKL) chooses its kernel by the number of rows: measured on an AMD EPYC (Zen 4,
+torch 2.13's MKL 2024.2), a row of x @ W came out different in its last bits when the call had
+M = 1, 2 or 3 rows (1 thread), or M in {1, 2, 3, 5, 6, 7, 9, 10, 11} (2 threads), than when it had 12
+or more — identical at every M tried from 12 to 512, for the default model's shapes and 2048x2048.
+The engine computes prompt rows exactly in steps of any size (a prefix-cache hit leaves a short
+tail, a step mixes several prompts), so without this a row's numbers, and a greedy reply, would
+depend on its company. Calls of fewer than MIN_ROWS rows are padded with zero rows to MIN_ROWS: the
+dequantized weight, not the rows, is what such a call costs (tests/test_quant.py checks the rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MIN_ROWS = 16
+
+
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    M = x.shape[0]
+    return F.pad(x, (0, 0, 0, MIN_ROWS - M)) if 0 < M < MIN_ROWS else x
+
+
+def exact_mm(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """x fp32 [M, K] @ wt fp32 [K, N] → [M, N]."""
+    return (_padded(x) @ wt)[: x.shape[0]]
+
+
+def exact_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x fp32 [M, K] @ w fp32 [N, K]^T → [M, N]."""
+    return F.linear(_padded(x), w)[: x.shape[0]]
