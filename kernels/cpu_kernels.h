@@ -13,14 +13,16 @@ enum { LOWBIT_ISA_AVX2 = 1, LOWBIT_ISA_VNNI256 = 2, LOWBIT_ISA_AVX512 = 3, LOWBI
 #define LOWBIT_TILE 16   /* output rows per tile of the packed layouts */
 #define LOWBIT_BLOCK 32  /* activation values per scale, and k per block of a tile's codes */
 
-/* One weight in lowbit's CPU layout (kernels/int4_mm.py, int8_mm.py write it; the layout is theirs):
- * tiles of 16 output rows, tiles contiguous, each tile G units of one weight group (gs k), a unit =
- * the 16 rows' scales, then the group's gs / 32 blocks of codes, each block in VNNI quad order —
- * 4 consecutive k of one row adjacent, 16 rows per 64 bytes:
- *   int4 (kind 1): unit = d fp16 [16], m fp16 [16] if P = 2 (w = d u + m; P = 1: w = d (u - 8)),
- *                  then per block 4 x 64 B, byte [j][r][i] = u[r][8j + i] | u[r][8j + 4 + i] << 4
- *   int8 (kind 2): unit = d fp16 [16] (P = 2 bytes) or fp32 [16] (P = 4, per channel: one group of
- *                  K), then per block 8 x 64 B, byte [j][r][i] = q[r][4j + i] + 128 (w = d q) */
+/* One weight in lowbit's CPU layout (kernels/int4_mm.py, int8_mm.py write it, kernels/tile_layout.py
+ * says where each group's bytes are): tiles of 16 output rows, tiles contiguous; per group of gs k,
+ * the 16 rows' scales, then the group's gs / 32 blocks of codes, each block in VNNI quad order — 4
+ * consecutive k of one row adjacent, 16 rows per 64 bytes:
+ *   int4 (kind 1): scales d fp16 [16], m fp16 [16] if P = 2 (w = d u + m; P = 1: w = d (u - 8)),
+ *                  codes per block 4 x 64 B, byte [j][r][i] = u[r][8j + i] | u[r][8j + 4 + i] << 4
+ *   int8 (kind 2): scales d fp16 [16] (P = 2 bytes) or fp32 [16] (P = 4, per channel: one group of
+ *                  K), codes per block 8 x 64 B, byte [j][r][i] = q[r][4j + i] + 128 (w = d q)
+ * Units start on 64-byte lines: 64 bytes of scales (one group's, or two groups' when theirs take 32),
+ * then those groups' codes. */
 typedef struct {
     int64_t kind;   /* 1: int4, 2: int8 */
     int64_t N;      /* output rows held, a multiple of 16 (padding rows are zero weights) */
@@ -30,6 +32,28 @@ typedef struct {
     const uint8_t *data;
     const float *bias;  /* fp32 [N] or NULL */
 } lowbit_linear;
+
+/* Bytes of one group's 16 scales, of its codes, and log2 of the groups per unit (kernels/tile_layout.py:
+ * one, or two when their scales take 32 bytes). Shifts, not divisions: these run per group per pass. */
+static inline int64_t lowbit_scale_bytes(const lowbit_linear *w) { return w->kind == 1 ? 32 * w->P : 16 * w->P; }
+static inline int64_t lowbit_code_bytes(const lowbit_linear *w) { return (w->kind == 1 ? 8 : 16) * w->group; }
+static inline int64_t lowbit_pair_shift(const lowbit_linear *w) { return lowbit_scale_bytes(w) == 32; }
+
+static inline int64_t lowbit_tile_bytes(const lowbit_linear *w) {
+    const int64_t G = w->K / w->group, s = lowbit_pair_shift(w), cb = lowbit_code_bytes(w);
+    return (G >> s) * (64 + (cb << s)) + (G & s) * (64 + cb);
+}
+
+/* Group gi of a tile: its scales and codes. */
+static inline const uint8_t *lowbit_group_scales(const lowbit_linear *w, const uint8_t *tile, int64_t gi) {
+    const int64_t s = lowbit_pair_shift(w);
+    return tile + (gi >> s) * (64 + (lowbit_code_bytes(w) << s)) + (gi & s) * 32;
+}
+
+static inline const uint8_t *lowbit_group_codes(const lowbit_linear *w, const uint8_t *tile, int64_t gi) {
+    const int64_t s = lowbit_pair_shift(w), cb = lowbit_code_bytes(w);
+    return tile + (gi >> s) * (64 + (cb << s)) + 64 + (gi & s) * cb;
+}
 
 /* Activations as the integer kernels read them (kernels/act_quant.py is the spec): per row, per
  * block of 32, s = amax / 32512 and q = round(x * 32512 / amax), split into planes q = 256 h + l. */
@@ -74,6 +98,7 @@ typedef struct {
  * thread of the region calls it; it shares the work out and ends in a barrier) or standalone. */
 size_t lowbit_qact_bytes(int64_t M, int64_t K);
 void lowbit_qact_init(lowbit_qact *a, void *mem, int64_t M, int64_t K);
+void lowbit_quantize_block(const float *xb, const lowbit_qact *a, int64_t m, int64_t b);
 void lowbit_quantize_rows(const float *x, int64_t sx, lowbit_qact *a);
 void lowbit_quantize_rows_serial(const float *x, int64_t sx, lowbit_qact *a);
 int lowbit_linear_check(const lowbit_linear *w, int64_t isa);

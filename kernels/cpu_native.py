@@ -259,9 +259,10 @@ class NativeKernels:
                             write_rot: torch.Tensor | None, attn_rot: torch.Tensor | None, ctx: torch.Tensor,
                             tables: torch.Tensor, toff: torch.Tensor, window: int | None, D: int) -> int:
         """Every block of a decode step over the paged pool (cpu_block.c): blocks a ctypes array of
-        _Block; k_sides/v_sides one (bits, group, tensors) per layer. Returns the C status."""
-        ks = (_KVSide * len(k_sides))(*[self._side(*s, D) for s in k_sides])
-        vs = (_KVSide * len(v_sides))(*[self._side(*s, D) for s in v_sides])
+        _Block; k_sides/v_sides one (bits, group, tensors) per layer, or their `side_array`s. Returns
+        the C status."""
+        ks = k_sides if isinstance(k_sides, ctypes.Array) else self.side_array(k_sides, D)
+        vs = v_sides if isinstance(v_sides, ctypes.Array) else self.side_array(v_sides, D)
         return self.lib.lowbit_decode_paged_layers(
             self._ctx(), blocks, len(blocks), M, delta.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             slots.data_ptr(), page_size, ks, vs, None if write_rot is None else write_rot.data_ptr(),
@@ -330,6 +331,11 @@ class NativeKernels:
                                       ctypes.byref(self._side(*side, D)), None if rot is None else rot.data_ptr())
         if rc:
             raise ValueError(f"cpu kv write: unsupported {side[0]}-bit side with group {side[1]}")
+
+    def side_array(self, sides: list, D: int) -> ctypes.Array:
+        """One ctypes descriptor per layer for (bits, group, tensors) sides (built in ~5 us a side:
+        callers that step over one pool keep the array)."""
+        return (_KVSide * len(sides))(*[self._side(*s, D) for s in sides])
 
     def _side(self, bits: int, group: int, t: dict, D: int) -> _KVSide:
         key = (bits, group, D, *(x.data_ptr() for x in t.values()), next(iter(t.values())).shape)

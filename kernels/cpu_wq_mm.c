@@ -79,44 +79,42 @@ static inline __m128i pack_hl(__m256i h, __m256i l) {
     return _mm_packs_epi16(_mm256_castsi256_si128(hl), _mm256_extracti128_si256(hl, 1));
 }
 
-/* One row of x [K] → its codes, planes and per-block scalars (kernels/act_quant.py: amax per block,
+/* One block of 32 values of row m → its codes, planes and scalars (kernels/act_quant.py: amax,
  * s = amax / 32512, q = round-half-even(x * (32512 / amax)), both fp32 divisions; amax = 0: all zero). */
-static void quantize_row(const float *x, const lowbit_qact *a, int64_t m) {
-    const int64_t K = a->K;
+void lowbit_quantize_block(const float *xb, const lowbit_qact *a, int64_t m, int64_t b) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i qmax = _mm256_set1_epi32(32512), qmin = _mm256_set1_epi32(-32512), half = _mm256_set1_epi32(128);
-    for (int64_t b = 0; b < a->nb; b++) {
-        const float *xb = x + b * LOWBIT_BLOCK;
-        __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
-        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
-        const float inv = amax > 0.0f ? 32512.0f / amax : 0.0f;
-        const __m256 vinv = _mm256_set1_ps(inv);
-        __m256i sum = _mm256_setzero_si256();
-        const int64_t o = m * K + b * LOWBIT_BLOCK;
-        for (int i = 0; i < 4; i++) {
-            const __m256i q = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv)), qmin),
-                                               qmax);
-            sum = _mm256_add_epi32(sum, q);
-            const __m256i h = _mm256_srai_epi32(_mm256_add_epi32(q, half), 8);
-            const __m256i l = _mm256_sub_epi32(q, _mm256_slli_epi32(h, 8));
-            _mm_storeu_si128((__m128i *)(a->hl + 2 * (o + 8 * i)), pack_hl(h, l));
-            const __m256i q16 = _mm256_packs_epi32(q, q);  /* per lane: q0-3 q0-3 | q4-7 q4-7 */
-            _mm_storeu_si128((__m128i *)(a->q + o + 8 * i),
-                             _mm256_castsi256_si128(_mm256_permute4x64_epi64(q16, 0x08)));  /* q0-3 q4-7 */
-        }
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-        const int32_t S = _mm_cvtsi128_si32(s4);
-        const float s = amax / 32512.0f;
-        a->blk[m * a->nb + b] = (lowbit_qblock){s, s * (float)S, S, 0};
+    __m256 v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float inv = amax > 0.0f ? 32512.0f / amax : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i sum = _mm256_setzero_si256();
+    const int64_t o = m * a->K + b * LOWBIT_BLOCK;
+    for (int i = 0; i < 4; i++) {
+        const __m256i q = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv)), qmin), qmax);
+        sum = _mm256_add_epi32(sum, q);
+        const __m256i h = _mm256_srai_epi32(_mm256_add_epi32(q, half), 8);
+        const __m256i l = _mm256_sub_epi32(q, _mm256_slli_epi32(h, 8));
+        _mm_storeu_si128((__m128i *)(a->hl + 2 * (o + 8 * i)), pack_hl(h, l));
+        const __m256i q16 = _mm256_packs_epi32(q, q);  /* per lane: q0-3 q0-3 | q4-7 q4-7 */
+        _mm_storeu_si128((__m128i *)(a->q + o + 8 * i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(q16, 0x08)));
     }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    const int32_t S = _mm_cvtsi128_si32(s4);
+    const float s = amax / 32512.0f;
+    a->blk[m * a->nb + b] = (lowbit_qblock){s, s * (float)S, S, 0};
+}
+
+static void quantize_row(const float *x, const lowbit_qact *a, int64_t m) {
+    for (int64_t b = 0; b < a->nb; b++) lowbit_quantize_block(x + b * LOWBIT_BLOCK, a, m, b);
 }
 
 /* x [M, K] (rows sx floats apart) → a (sized for M x K). A team function: rows are shared out. */
@@ -205,13 +203,13 @@ static inline void transpose16x4(const uint8_t *p, __m128i col[4]) {
  * groups' rows k of the output. */
 int lowbit_int4_dequant_t(const lowbit_linear *w, float *out, int nthreads) {
     if (w->kind != 1 || lowbit_linear_check(w, LOWBIT_ISA_AVX2)) return -1;
-    const int64_t N = w->N, K = w->K, gs = w->group, P = w->P, G = K / gs, U = 32 * P + 8 * gs, T = N / LOWBIT_TILE;
+    const int64_t N = w->N, K = w->K, gs = w->group, P = w->P, G = K / gs, T = N / LOWBIT_TILE, tb = lowbit_tile_bytes(w);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t g = 0; g < G; g++) {
         const __m128i low4 = _mm_set1_epi8(15);
         const __m256i eight = _mm256_set1_epi32(8);
         for (int64_t t = 0; t < T; t++) {
-            const uint8_t *unit = w->data + (t * G + g) * U;
+            const uint8_t *unit = lowbit_group_scales(w, w->data + t * tb, g), *codes = lowbit_group_codes(w, w->data + t * tb, g);
             __m256 d[2], m[2];
             for (int hf = 0; hf < 2; hf++) {
                 d[hf] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 16 * hf)));
@@ -219,7 +217,7 @@ int lowbit_int4_dequant_t(const lowbit_linear *w, float *out, int nthreads) {
             }
             for (int64_t c = 0; c < gs / 8; c++) {  /* chunks of 64 B: k = 8c + i (low), 8c + 4 + i (high) */
                 __m128i col[4];
-                transpose16x4(unit + 32 * P + 64 * c, col);
+                transpose16x4(codes + 64 * c, col);
                 for (int i = 0; i < 4; i++)
                     for (int nib = 0; nib < 2; nib++) {
                         const __m128i u8 = nib ? _mm_and_si128(_mm_srli_epi16(col[i], 4), low4) : _mm_and_si128(col[i], low4);
@@ -241,12 +239,12 @@ int lowbit_int4_dequant_t(const lowbit_linear *w, float *out, int nthreads) {
  * spec). Tiles are shared out over the threads. */
 int lowbit_int8_dequant(const lowbit_linear *w, int64_t n0, int64_t n1, float *out, int nthreads) {
     if (w->kind != 2 || lowbit_linear_check(w, LOWBIT_ISA_AVX2) || n0 < 0 || n1 > w->N || n0 > n1) return -1;
-    const int64_t K = w->K, gs = w->group, P = w->P, G = K / gs, U = 16 * P + 16 * gs;
+    const int64_t K = w->K, gs = w->group, P = w->P, G = K / gs, tb = lowbit_tile_bytes(w);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = n0 / LOWBIT_TILE; t < (n1 + LOWBIT_TILE - 1) / LOWBIT_TILE; t++) {
         const __m128i off = _mm_set1_epi32(128);
         for (int64_t g = 0; g < G; g++) {
-            const uint8_t *unit = w->data + (t * G + g) * U;
+            const uint8_t *unit = lowbit_group_scales(w, w->data + t * tb, g), *codes = lowbit_group_codes(w, w->data + t * tb, g);
             for (int r = 0; r < LOWBIT_TILE; r++) {
                 const int64_t n = t * LOWBIT_TILE + r;
                 if (n < n0) continue;
@@ -263,7 +261,7 @@ int lowbit_int8_dequant(const lowbit_linear *w, int64_t n0, int64_t n1, float *o
                 float *o = out + (n - n0) * K + g * gs;
                 for (int64_t c = 0; c < gs / 4; c++) {  /* chunk c of 64 B: k = 4c .. 4c + 3 */
                     int32_t quad;
-                    memcpy(&quad, unit + 16 * P + 64 * c + 4 * r, 4);
+                    memcpy(&quad, codes + 64 * c + 4 * r, 4);
                     const __m128i u = _mm_sub_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(quad)), off);
                     _mm_storeu_ps(o + 4 * c, _mm_mul_ps(_mm_cvtepi32_ps(u), d));
                 }

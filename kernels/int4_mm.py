@@ -3,12 +3,12 @@
 The weight is repacked once, at load, into lowbit's own layout (`Int4Packed`, written by
 `int4_pack`, read by the C kernels and by the torch code below; no library's private layout):
 
-    tiles of 16 output rows (N padded to 16 with zero weights), tiles contiguous; a tile is G units,
-    one per group of `gs` k (32, 64 or 128); a unit is the 16 rows' scales d (fp16 [16]), their mins
-    m (fp16 [16], asymmetric only), then gs / 32 blocks of codes, each 4 x 64 bytes in VNNI quad
-    order: byte [j][r][i] = u[r][8j + i] | u[r][8j + 4 + i] << 4 (4 consecutive k of one row
-    adjacent; one 64-byte load is 16 rows x 8 k). Bytes per weight are the GGUF's: Q4_1 is 20 bytes
-    per 32 weights in either.
+    tiles of 16 output rows (N padded to 16 with zero weights) in kernels/tile_layout.py's units: per
+    group of `gs` k (32, 64 or 128), the 16 rows' scales d (fp16 [16]) and mins m (fp16 [16],
+    asymmetric only), then gs / 32 blocks of codes, each 4 x 64 bytes in VNNI quad order: byte
+    [j][r][i] = u[r][8j + i] | u[r][8j + 4 + i] << 4 (4 consecutive k of one row adjacent; one 64-byte
+    load is 16 rows x 8 k). Bytes per weight are the GGUF's: Q4_1 is 20 bytes per 32 weights in
+    either, Q4_0 18 (plus 32 bytes per tile where a row has an odd number of groups).
 
 One thread of the C kernel streams a contiguous range of tiles, codes next to their scales; the
 quad order lets one vpdpbusd (or vpmaddubsw) multiply 16 (or 8) rows x 4 k by one broadcast
@@ -39,24 +39,24 @@ import torch.nn.functional as F
 from lowbit.kernels import cpu_native
 from lowbit.kernels.act_quant import BLOCK, act_quant_ref
 from lowbit.kernels.exact_mm import exact_mm
+from lowbit.kernels.tile_layout import TILE, pack_tiles, unpack_tiles
 
 EXACT_MIN_ROWS = 16
-TILE = 16  # output rows per tile
 
 
 @dataclass
 class Int4Packed:
-    data: torch.Tensor  # uint8 [N/16, G, U]: per tile and group, d [16] (, m [16]) fp16, then the codes
+    data: torch.Tensor  # uint8 [N/16, tile bytes]: per group, d [16] (, m [16]) fp16 and the codes (module docstring)
     group_size: int
     symmetric: bool  # w = d (u - 8), no mins
     out_features: int  # N before padding to 16 rows
     in_features: int  # K before padding to a whole group
+    padded_in: int  # K padded to a whole group
     desc: object = field(default=None, repr=False, compare=False)  # the C kernels' descriptor, built once
 
     @property
     def padded_shape(self) -> tuple[int, int]:
-        T, G, _ = self.data.shape
-        return T * TILE, G * self.group_size
+        return self.data.shape[0] * TILE, self.padded_in
 
     @property
     def scales_per_row(self) -> int:
@@ -70,13 +70,13 @@ class Int4Packed:
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(codes uint8 [Np, Kp], scales fp16 [Np, G], mins fp16 [Np, G] or None): the inverse of int4_pack."""
-        T, G, _ = self.data.shape
-        P, nb = self.scales_per_row, self.group_size // BLOCK
-        sc = self.data[..., :32 * P].contiguous().view(torch.float16).view(T, G, P, TILE)  # [T, G, P, 16]
-        sc = sc.permute(0, 3, 1, 2).reshape(T * TILE, G, P)  # [Np, G, P]
-        b = self.data[..., 32 * P:].reshape(T, G, nb, 4, TILE, 4)  # [t, g, block, j, r, i]
+        T, P, g = self.data.shape[0], self.scales_per_row, self.group_size
+        G, nb = self.padded_in // g, g // BLOCK
+        sc, codes = unpack_tiles(self.data, G, 32 * P, 8 * g)  # [T, G, 32 P], [T, G, 8 g]
+        sc = sc.contiguous().view(torch.float16).view(T, G, P, TILE).permute(0, 3, 1, 2).reshape(T * TILE, G, P)
+        b = codes.reshape(T, G, nb, 4, TILE, 4)  # [t, g, block, j, r, i]
         u = torch.stack((b & 0xF, b >> 4), dim=-1)  # [t, g, block, j, r, i, half]: k = 8j + 4 half + i
-        u = u.permute(0, 4, 1, 2, 3, 6, 5).reshape(T * TILE, G * self.group_size)  # [Np, Kp]
+        u = u.permute(0, 4, 1, 2, 3, 6, 5).reshape(T * TILE, G * g)  # [Np, Kp]
         return u, sc[..., 0], None if self.symmetric else sc[..., 1]
 
 
@@ -95,8 +95,7 @@ def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
     parts = [scales] if mins is None else [scales, mins]
     sc = [F.pad(p.half(), (0, 0, 0, Np - N)).view(T, TILE, G).transpose(1, 2).contiguous().view(torch.uint8)
           for p in parts]  # each [T, G, 32]: the 16 rows' fp16 values of one group
-    data = torch.cat([*sc, packed], dim=-1).contiguous()  # [T, G, 32 P + 8 g]
-    return Int4Packed(data, g, mins is None, N, in_features)
+    return Int4Packed(pack_tiles(torch.cat(sc, dim=-1), packed), g, mins is None, N, in_features, Kp)
 
 
 def dequantize_packed_t(w: Int4Packed) -> torch.Tensor:

@@ -3,11 +3,11 @@
 Like int4 (kernels/int4_mm.py), the weight is repacked once into lowbit's own tile layout
 (`Int8Packed`, written by `int8_pack`):
 
-    tiles of 16 output rows (N padded to 16 with zero weights), tiles contiguous; a tile is G units,
-    one per group of g k (32, 64, 128; per channel: one group of K rounded up to 32); a unit is the
-    16 rows' scales (fp16 [16], or fp32 [16] per channel), then g / 32 blocks of codes, each 8 x 64
-    bytes in VNNI quad order: byte [j][r][i] = q[r][4j + i] + 128 (stored unsigned, so one u8 x s8
-    dot product instruction multiplies them; the kernels subtract 128 x the activations' sum).
+    tiles of 16 output rows (N padded to 16 with zero weights) in kernels/tile_layout.py's units: per
+    group of g k (32, 64, 128; per channel: one group of K rounded up to 32), the 16 rows' scales
+    (fp16 [16], or fp32 [16] per channel), then g / 32 blocks of codes, each 8 x 64 bytes in VNNI
+    quad order: byte [j][r][i] = q[r][4j + i] + 128 (stored unsigned, so one u8 x s8 dot product
+    instruction multiplies them; the kernels subtract 128 x the activations' sum).
 
 The same layout is the embedding table of a tied model (the default model's Q8_0 token_embd):
 `rows` gathers a few rows of it for lookups, and the LM head multiplies it whole.
@@ -28,24 +28,25 @@ import torch.nn.functional as F
 from lowbit.kernels import cpu_native
 from lowbit.kernels.act_quant import BLOCK, act_quant_ref
 from lowbit.kernels.exact_mm import exact_linear
-from lowbit.kernels.int4_mm import EXACT_MIN_ROWS, TILE
+from lowbit.kernels.int4_mm import EXACT_MIN_ROWS
+from lowbit.kernels.tile_layout import TILE, pack_tiles, unpack_tiles
 
 _TILE_ELEMS = 1 << 22  # exact path: dequantize ~4M weights (16 MB fp32) at a time
 
 
 @dataclass
 class Int8Packed:
-    data: torch.Tensor  # uint8 [N/16, G, U]: per tile and group, 16 scales (fp16 or fp32), then the codes + 128
+    data: torch.Tensor  # uint8 [N/16, tile bytes]: per group, 16 scales (fp16 or fp32) and the codes + 128
     group: int  # k per group (per channel: Kp)
     scale_bytes: int  # 2 (fp16 scales) or 4 (fp32, per channel)
     out_features: int  # N before padding to 16 rows
     in_features: int  # K before padding
+    padded_in: int  # K padded to whole groups
     desc: object = field(default=None, repr=False, compare=False)  # the C kernels' descriptor, built once
 
     @property
     def padded_shape(self) -> tuple[int, int]:
-        T, G, _ = self.data.shape
-        return T * TILE, G * self.group
+        return self.data.shape[0] * TILE, self.padded_in
 
     def c_desc(self) -> "cpu_native._Linear":
         if self.desc is None:
@@ -55,13 +56,12 @@ class Int8Packed:
 
     def _tiles(self, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Some tiles' (codes q int8 [n, 16, Kp], scales fp32 [n, 16, G]) in row order."""
-        t = self.data[index]  # [n, G, U]
-        n, G, _ = t.shape
-        nb = self.group // BLOCK
-        sb = 16 * self.scale_bytes
-        sc = t[..., :sb].contiguous().view(torch.float16 if self.scale_bytes == 2 else torch.float32)  # [n, G, 16]
-        c = t[..., sb:].reshape(n, G, nb, 8, TILE, 4)  # [n, g, block, j, r, i]: k = 32 block + 4j + i
-        q = (c.permute(0, 4, 1, 2, 3, 5).reshape(n, TILE, G * self.group).to(torch.int16) - 128).to(torch.int8)
+        t = self.data[index]  # [n, tile bytes]
+        n, G, g = t.shape[0], self.padded_in // self.group, self.group
+        sc, c = unpack_tiles(t, G, 16 * self.scale_bytes, 16 * g)  # [n, G, 16 scale bytes], [n, G, 16 g]
+        sc = sc.contiguous().view(torch.float16 if self.scale_bytes == 2 else torch.float32)  # [n, G, 16]
+        c = c.reshape(n, G, g // BLOCK, 8, TILE, 4)  # [n, g, block, j, r, i]: k = 32 block + 4j + i
+        q = (c.permute(0, 4, 1, 2, 3, 5).reshape(n, TILE, G * g).to(torch.int16) - 128).to(torch.int8)
         return q, sc.transpose(1, 2).float()  # [n, 16, Kp], [n, 16, G]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -102,8 +102,7 @@ def int8_pack(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> 
     u = u.view(T, TILE, G, nb, 8, 4).permute(0, 2, 3, 4, 1, 5).reshape(T, G, nb * 512)  # [t, g, block, j, r, i]
     sdt = torch.float32 if per_channel else torch.float16
     sc = F.pad(scales.to(sdt), (0, 0, 0, Np - N)).view(T, TILE, G).transpose(1, 2).contiguous().view(torch.uint8)
-    data = torch.cat([sc, u], dim=-1).contiguous()  # [T, G, 16 * scale bytes + 16 g]
-    return Int8Packed(data, g, 4 if per_channel else 2, N, in_features)
+    return Int8Packed(pack_tiles(sc, u), g, 4 if per_channel else 2, N, in_features, Kp)
 
 
 def int8_mm(x: torch.Tensor, w: Int8Packed, exact: bool | None = None) -> torch.Tensor:

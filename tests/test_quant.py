@@ -204,17 +204,18 @@ def test_int4_mm_matches_ref(name, M, N, K_groups, decode_kernel):
 
 
 def test_int4_layout_is_lowbits_own():
-    """The packed bytes are the documented layout (kernels/int4_mm.py), hand-checked at every
-    position of one tile: d then m fp16 per 16 rows, then byte [j][r][i] = u[r][8j+i] | u[r][8j+4+i] << 4;
-    as many bytes as the codes and scales themselves; `unpack` inverts it; a 20-row weight is padded
-    to 32 rows of zero weights."""
-    N, K = 20, 64
+    """The packed bytes are the documented layout (kernels/int4_mm.py, tile_layout.py), hand-checked at
+    every position of one group: per 16-row tile and group of 32, d then m fp16 (64 bytes), then byte
+    [j][r][i] = u[r][8j+i] | u[r][8j+4+i] << 4; symmetric scales (32 bytes) go two groups to a
+    64-byte line, an odd last one padded; as many bytes as the codes and scales themselves (plus that
+    padding); `unpack` inverts it; a 20-row weight is padded to 32 rows of zero weights."""
+    N, K = 20, 96
     u = (torch.arange(N)[:, None] * 7 + torch.arange(K)[None, :] * 3) % 16  # [N, K]
-    d = (torch.arange(N * 2).view(N, 2) + 1).half() / 64
+    d = (torch.arange(N * 3).view(N, 3) + 1).half() / 64
     m = -d * 3
     p = int4_pack(u.to(torch.uint8), d, m, 32, K)
-    assert p.data.shape == (2, 2, 64 + 256) and p.data.dtype == torch.uint8
-    t = p.data[0, 1]  # tile 0 (rows 0-15), group 1 (k 32-63)
+    assert p.data.shape == (2, 3 * (64 + 256)) and p.data.dtype == torch.uint8
+    t = p.data[0, 320:640]  # tile 0 (rows 0-15), group 1 (k 32-63)
     assert torch.equal(t[:32].view(torch.float16), d[:16, 1]) and torch.equal(t[32:64].view(torch.float16), m[:16, 1])
     for j in range(4):
         for r in range(16):
@@ -225,7 +226,13 @@ def test_int4_layout_is_lowbits_own():
     assert torch.equal(uu[:N], u.to(torch.uint8)) and torch.equal(dd[:N], d) and torch.equal(mm[:N], m)
     assert torch.equal(uu[N:], torch.full((12, K), 8, dtype=torch.uint8)) and not dd[N:].any() and not mm[N:].any()
     sym = int4_pack(u.to(torch.uint8), d, None, 32, K)
-    assert sym.data.shape == (2, 2, 32 + 256) and sym.data[:1].numel() == 16 * K // 2 + 16 * 2 * 2
+    # groups 0, 1: [d0 d1][codes 0][codes 1]; group 2: [d2, 32 zero bytes][codes 2]
+    assert sym.data.shape == (2, 64 + 512 + 64 + 256)
+    t = sym.data[1]  # tile 1: rows 16-19 and padding
+    assert torch.equal(t[32:64].view(torch.float16)[:4], d[16:, 1]) and not t[32:64].view(torch.float16)[4:].any()
+    assert torch.equal(t[576:608].view(torch.float16)[:4], d[16:, 2]) and not t[608:640].any()
+    assert int(t[64 + 256 + 4 * 2 + 1]) == int(u[18, 33]) | int(u[18, 37]) << 4  # group 1, j 0, row 2, i 1
+    assert torch.equal(sym.unpack()[0][:N], u.to(torch.uint8)) and torch.equal(sym.unpack()[1][:N], d)
 
 
 def test_the_cpu_path_never_uses_torchs_private_int4_layout(monkeypatch):
@@ -274,21 +281,22 @@ def test_int8_mm_matches_ref(name, M, N, K_kind, decode_kernel):
 
 
 def test_int8_layout_is_lowbits_own():
-    """int8 tiles, hand-checked: 16 fp16 scales per tile and group, then byte [j][r][i] = q[r][4j+i] +
-    128 per block; per channel, fp32 scales and K zero-padded to 32."""
+    """int8 tiles, hand-checked: per tile, two groups' 16 fp16 scales to a 64-byte line, then their
+    codes, byte [j][r][i] = q[r][4j+i] + 128 per block; per channel, fp32 scales (one 64-byte line) and
+    K zero-padded to 32."""
     N, K = 16, 64
     q = ((torch.arange(N)[:, None] * 5 + torch.arange(K)[None, :] * 11) % 255 - 127).to(torch.int8)
     d = (torch.arange(N * 2).view(N, 2) + 1).half() / 256
     p = int8_pack(q, d, K)
-    assert p.data.shape == (1, 2, 32 + 512)
-    t = p.data[0, 1]
-    assert torch.equal(t[:32].view(torch.float16), d[:, 1])
+    assert p.data.shape == (1, 64 + 2 * 512)
+    t = p.data[0]
+    assert torch.equal(t[:32].view(torch.float16), d[:, 0]) and torch.equal(t[32:64].view(torch.float16), d[:, 1])
     for j in range(8):
         for r in range(16):
             for i in range(4):
-                assert int(t[32 + 64 * j + 4 * r + i]) == int(q[r, 32 + 4 * j + i]) + 128, (j, r, i)
+                assert int(t[64 + 512 + 64 * j + 4 * r + i]) == int(q[r, 32 + 4 * j + i]) + 128, (j, r, i)
     pc = int8_pack(q[:, :40], torch.rand(N, 1), 40)  # per channel, K = 40 → one group of 64
-    assert pc.data.shape == (1, 1, 64 + 64 * 16) and pc.scale_bytes == 4 and pc.padded_shape == (16, 64)
+    assert pc.data.shape == (1, 64 + 64 * 16) and pc.scale_bytes == 4 and pc.padded_shape == (16, 64)
 
 
 def test_int8_rows_are_the_dequantized_rows():
