@@ -85,55 +85,115 @@ int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const fl
     return failed ? -2 : 0;
 }
 
-/* Token vector `t` (page-major index (page * Hkv + h) * page_size + slot) of one side → fp32 x[D]. */
-static inline void kv_vector(const lowbit_kv_side *s, int64_t t, int64_t D, float *x) {
-    if (s->bits == 16) {
-        const uint16_t *h = (const uint16_t *)s->codes + t * D;
-        for (int64_t d = 0; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(x + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
-        return;
-    }
-    /* x = d * c (8-bit) or d * u + m (4-bit), one product (and one sum) per value, 8 or 16 at a time
-     * (groups are multiples of 8: D % 8 == 0 and the formats' groups are 32 or 64) */
-    const int64_t G = D / s->group;
-    for (int64_t g = 0; g < G; g++) {
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(s->scales[t * G + g]));
-        const int64_t k0 = g * s->group;
-        if (s->bits == 8) {
-            const int8_t *c = (const int8_t *)s->codes + t * D + k0;
-            for (int64_t k = 0; k < s->group; k += 8) {
-                const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + k)));
-                _mm256_storeu_ps(x + k0 + k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
-            }
-        } else {
-            const uint8_t *c = (const uint8_t *)s->codes + (t * D + k0) / 2;
-            const __m256 m = _mm256_set1_ps(_cvtsh_ss(s->mins[t * G + g]));
-            const __m256i low4 = _mm256_set1_epi32(15);
-            for (int64_t k = 0; k < s->group; k += 16) {  /* 8 bytes: values k, k+1 in byte k/2 (low first) */
-                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + k / 2)));
-                const __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_srli_epi32(b, 4);
-                const __m256i a = _mm256_unpacklo_epi32(lo, hi), e = _mm256_unpackhi_epi32(lo, hi);  /* [0-3 | 8-11], [4-7 | 12-15] */
-                const __m256i u0 = _mm256_permute2x128_si256(a, e, 0x20), u1 = _mm256_permute2x128_si256(a, e, 0x31);
-                _mm256_storeu_ps(x + k0 + k, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(u0)), m));
-                _mm256_storeu_ps(x + k0 + k + 8, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(u1)), m));
-            }
-        }
-    }
+/* The sum of 8 lanes, in a fixed tree. */
+static inline float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
 
-/* y[D] = x[D] @ R (transposed: x @ R^T) for the KV rotation R fp32 [D, D]. */
-static void rotate(const float *x, const float *R, int64_t D, int transposed, float *y) {
-    for (int64_t j = 0; j < D; j++) y[j] = 0.0f;
-    if (transposed) {
-        for (int64_t j = 0; j < D; j++) y[j] = dot(x, R + j * D, D);
-        return;
+/* exp(x) for 8 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), exp(r) by its degree-6
+ * Taylor polynomial (relative error < 3e-8 there), times 2^n through the exponent bits; below -87.3 it
+ * is 0 and above 88.7 the largest float. Softmax's exponentials were most of paged attention's time
+ * with libm's scalar expf (16 rows x 256 tokens of context: ~37k a layer). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.0f / 720.0f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 120.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 24.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 6.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* p[i] = exp(p[i] - mx) for i < n, in place → their sum (8 lanes, then lanes in a fixed tree, then
+ * the tail). */
+static inline float exp_sum(float *p, int64_t n, float mx) {
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm));
+        _mm256_storeu_ps(p + i, e);
+        acc = _mm256_add_ps(acc, e);
     }
-    for (int64_t i = 0; i < D; i++)
-        for (int64_t j = 0; j < D; j++) y[j] += x[i] * R[i * D + j];
+    if (i < n) {  /* the last 1..7 through the same polynomial, padded with -inf's exp(0 -> clamp) and cut */
+        float tail[8];
+        for (int k = 0; k < 8; k++) tail[k] = i + k < n ? p[i + k] : mx - 1000.0f;
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), vm));
+        _mm256_storeu_ps(tail, e);
+        for (int64_t k = 0; i + k < n; k++) p[i + k] = tail[k];
+        acc = _mm256_add_ps(acc, _mm256_blendv_ps(_mm256_setzero_ps(), e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_set1_epi32((int)(n - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
+    }
+    return hsum8(acc);
+}
+
+
+/* Token vector `t` (page-major index (page * Hkv + h) * page_size + slot) of one side, without its
+ * scales: x[D] = the 8-bit codes, the 4-bit codes u, or the fp16 values, as floats; d[G], m[G] the
+ * scale and min of each group of the vector (8-bit: m = 0; 16-bit: one group, d = 1, m = 0) → G.
+ * Attention multiplies the scales in once per group (scores d * (q . c) + m * sum q, values
+ * (p d) u + p m) rather than once per value. */
+static inline int64_t kv_codes(const lowbit_kv_side *s, int64_t t, int64_t D, float *x, float *d, float *m) {
+    if (s->bits == 16) {
+        const uint16_t *h = (const uint16_t *)s->codes + t * D;
+        for (int64_t k = 0; k + 8 <= D; k += 8)
+            _mm256_storeu_ps(x + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + k))));
+        d[0] = 1.0f, m[0] = 0.0f;
+        return 1;
+    }
+    const int64_t G = D / s->group;
+    for (int64_t g = 0; g < G; g++) {
+        d[g] = _cvtsh_ss(s->scales[t * G + g]);
+        m[g] = s->bits == 4 ? _cvtsh_ss(s->mins[t * G + g]) : 0.0f;
+    }
+    if (s->bits == 8) {
+        const int8_t *c = (const int8_t *)s->codes + t * D;
+        for (int64_t k = 0; k < D; k += 8)
+            _mm256_storeu_ps(x + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + k)))));
+        return G;
+    }
+    const uint8_t *c = (const uint8_t *)s->codes + t * D / 2;
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int64_t k = 0; k < D; k += 16) {  /* 8 bytes: values k, k+1 in byte k/2 (low first) */
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + k / 2)));
+        const __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_srli_epi32(b, 4);
+        const __m256i a = _mm256_unpacklo_epi32(lo, hi), e = _mm256_unpackhi_epi32(lo, hi);  /* [0-3 | 8-11], [4-7 | 12-15] */
+        _mm256_storeu_ps(x + k, _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, e, 0x20)));
+        _mm256_storeu_ps(x + k + 8, _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, e, 0x31)));
+    }
+    return G;
+}
+
+/* The KV rotation R = diag(s) H / sqrt(D) (kernels/kv_quant.py rotation: H the Sylvester Hadamard,
+ * D a power of 2), given by its D signs s: y[D] = x @ R = FWHT(s * x) / sqrt(D), or x @ R^T =
+ * s * FWHT(x) / sqrt(D) (transposed). The fast Walsh-Hadamard transform takes D log2 D adds where
+ * the product took D^2 multiply-adds (64: 384 against 4096; a 16-row decode step spent 8% of its time
+ * in these products). */
+static void rotate(const float *x, const float *signs, int64_t D, int transposed, float *y) {
+    for (int64_t i = 0; i < D; i++) y[i] = transposed ? x[i] : x[i] * signs[i];
+    for (int64_t h = 1; h < D; h *= 2)
+        for (int64_t i = 0; i < D; i += 2 * h)
+            for (int64_t k = i; k < i + h; k++) {
+                const float a = y[k], b = y[k + h];
+                y[k] = a + b;
+                y[k + h] = a - b;
+            }
+    const float scale = 1.0f / sqrtf((float)D);  /* 1/8 for D = 64: exact */
+    for (int64_t i = 0; i < D; i++) y[i] = transposed ? y[i] * scale * signs[i] : y[i] * scale;
 }
 
 /* Floats of scratch one thread needs for paged decode attention over these rows: the scores of its
- * (row, KV head) item and the H / Hkv queries' vectors. */
+ * (row, KV head) item, the H / Hkv queries' vectors and outputs, one K or V vector, and per group
+ * scales and sums. */
 size_t lowbit_paged_attention_scratch(int64_t R, int64_t H, int64_t Hkv, int64_t D, const int64_t *ctx,
                                       int64_t window) {
     const int64_t grp = H / Hkv;
@@ -142,13 +202,14 @@ size_t lowbit_paged_attention_scratch(int64_t R, int64_t H, int64_t Hkv, int64_t
         const int64_t len = window > 0 && ctx[r] > window ? window : ctx[r];
         n = len > n ? len : n;
     }
-    return (size_t)(n * grp + (2 * grp + 2) * D + 16);
+    return (size_t)(n * grp + (4 * grp + 4) * D + 16);
 }
 
 /* Decode attention straight from the paged, quantized pool: R query rows, each one token of its
  * sequence seeing the first ctx[r] >= 1 tokens of it (its own included; the last `window` if window > 0).
- * q [R, H, D] (rows sq floats apart); row r's page ids are tables[toff[r] ...]; rot fp32 [D, D] when
- * both sides are stored rotated (q is rotated, the output rotated back) or NULL → out fp32 [R, H, D].
+ * q [R, H, D] (rows sq floats apart); row r's page ids are tables[toff[r] ...]; rot: the rotation's D
+ * signs (`rotate`) when both sides are stored rotated (q is rotated, the output rotated back) or NULL
+ * → out fp32 [R, H, D].
  * Work items are (row, KV head): each key and value vector is dequantized once for the H / Hkv query
  * heads that read it. A team function (items shared out, then a barrier); scratch holds per_thread
  * floats (lowbit_paged_attention_scratch) for each thread of the region. */
@@ -156,49 +217,66 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
                                  const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
                                  const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
                                  int64_t window, float scale, float *scratch, size_t per_thread, float *out) {
-    const int64_t grp = H / Hkv;
+    const int64_t grp = H / Hkv, GK = ks->bits == 16 ? 1 : D / ks->group, GV = vs->bits == 16 ? 1 : D / vs->group;
+    const int64_t gk = D / GK, gv = D / GV;
     float *buf = scratch + per_thread * (size_t)omp_get_thread_num();
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < R * Hkv; item++) {
         const int64_t r = item / Hkv, kvh = item % Hkv, last = ctx[r] - 1;
         const int64_t first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0, n = last - first + 1;
         float *p = buf, *qr = p + n * grp, *o = qr + grp * D, *x = o + grp * D, *y = x + D;
+        float *d = y + D, *m = d + D, *qs = m + D, *ms = qs + grp * D;  /* per group: scale, min; per head and group: sum q, sum p m */
         for (int64_t j = 0; j < grp; j++) {
             const float *qh = q + r * sq + (kvh * grp + j) * D;
             if (rot) rotate(qh, rot, D, 0, qr + j * D);
-            else for (int64_t d = 0; d < D; d++) qr[j * D + d] = qh[d];
+            else for (int64_t k = 0; k < D; k++) qr[j * D + k] = qh[k];
+            for (int64_t g = 0; g < GK; g++) {
+                float sum = 0.0f;
+                for (int64_t k = 0; k < gk; k++) sum += qr[j * D + g * gk + k];
+                qs[j * GK + g] = sum;
+            }
         }
         const int64_t *table = tables + toff[r];
-        for (int64_t t = first; t <= last; t++) {
-            kv_vector(ks, (table[t / page_size] * Hkv + kvh) * page_size + t % page_size, D, x);
-            for (int64_t j = 0; j < grp; j++) p[j * n + t - first] = dot(qr + j * D, x, D) * scale;
+        for (int64_t t = first; t <= last; t++) {  /* scores: per group d (q . c) + m sum q */
+            kv_codes(ks, (table[t / page_size] * Hkv + kvh) * page_size + t % page_size, D, x, d, m);
+            for (int64_t j = 0; j < grp; j++) {
+                float sc = 0.0f;
+                for (int64_t g = 0; g < GK; g++) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int64_t k = g * gk; k < (g + 1) * gk; k += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + j * D + k), _mm256_loadu_ps(x + k), acc);
+                    sc += d[g] * hsum8(acc) + m[g] * qs[j * GK + g];
+                }
+                p[j * n + t - first] = sc * scale;
+            }
         }
         float sum[grp];
         for (int64_t j = 0; j < grp; j++) {
             float mx = -INFINITY, *pj = p + j * n;
             for (int64_t i = 0; i < n; i++) mx = pj[i] > mx ? pj[i] : mx;
-            sum[j] = 0.0f;
-            for (int64_t i = 0; i < n; i++) {
-                pj[i] = expf(pj[i] - mx);
-                sum[j] += pj[i];
-            }
+            sum[j] = exp_sum(pj, n, mx);
         }
         for (int64_t i = 0; i < grp * D; i++) o[i] = 0.0f;
-        for (int64_t t = first; t <= last; t++) {
-            kv_vector(vs, (table[t / page_size] * Hkv + kvh) * page_size + t % page_size, D, x);
+        for (int64_t i = 0; i < grp * GV; i++) ms[i] = 0.0f;
+        for (int64_t t = first; t <= last; t++) {  /* values: o += (p d) u per group, and p m aside */
+            kv_codes(vs, (table[t / page_size] * Hkv + kvh) * page_size + t % page_size, D, x, d, m);
             for (int64_t j = 0; j < grp; j++) {
-                const __m256 pj = _mm256_set1_ps(p[j * n + t - first]);
+                const float pj = p[j * n + t - first];
                 float *oj = o + j * D;
-                for (int64_t d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(oj + d, _mm256_fmadd_ps(pj, _mm256_loadu_ps(x + d), _mm256_loadu_ps(oj + d)));
+                for (int64_t g = 0; g < GV; g++) {
+                    const __m256 c = _mm256_set1_ps(pj * d[g]);
+                    for (int64_t k = g * gv; k < (g + 1) * gv; k += 8)
+                        _mm256_storeu_ps(oj + k, _mm256_fmadd_ps(c, _mm256_loadu_ps(x + k), _mm256_loadu_ps(oj + k)));
+                    ms[j * GV + g] += pj * m[g];
+                }
             }
         }
         for (int64_t j = 0; j < grp; j++) {
             float *oj = o + j * D, *dst = out + (r * H + kvh * grp + j) * D;
             const float inv = 1.0f / sum[j];
-            for (int64_t d = 0; d < D; d++) oj[d] *= inv;
+            for (int64_t k = 0; k < D; k++) oj[k] = (oj[k] + ms[j * GV + k / gv]) * inv;
             if (rot) rotate(oj, rot, D, 1, y);
-            for (int64_t d = 0; d < D; d++) dst[d] = rot ? y[d] : oj[d];
+            for (int64_t k = 0; k < D; k++) dst[k] = rot ? y[k] : oj[k];
         }
     }
 }
@@ -224,61 +302,87 @@ int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t
 /* fp32 → fp16 bits, round to nearest even (torch's .half()). */
 static inline uint16_t to_half(float v) { return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
 
-/* Quantize-on-write (kernels/kv_quant.py's specs, the same arithmetic: fp32 group max/min, the scale
- * rounded to fp16 before the codes are chosen, round half to even): x fp32 [M, Hkv, D] (token rows sx
- * floats apart, heads D apart), rotated first by rot [D, D] (x @ rot) when given, each (token, head)
- * vector into its slot of the side. f16 sides store fp16(x). */
+/* Whether a side takes quantize-on-write of D-wide vectors. */
+static int kv_side_ok(const lowbit_kv_side *s, int64_t D) {
+    return !(D % 2 || (s->bits != 16 && (D % s->group || s->group % 2)));
+}
+
+/* Quantize-on-write of one (token m, head h) vector (kernels/kv_quant.py's specs, the same arithmetic:
+ * fp32 group max/min, the scale rounded to fp16 before the codes are chosen, round half to even):
+ * x fp32 [M, Hkv, D] (token rows sx floats apart, heads D apart), rotated first (x @ R, rot its D
+ * signs: `rotate`) when given, into its slot of the side; f16 sides store fp16(x). y: D floats of scratch. */
+static void kv_write_one(const float *x, int64_t sx, int64_t Hkv, int64_t D, const int64_t *slots, int64_t page_size,
+                         const lowbit_kv_side *s, const float *rot, int64_t m, int64_t h, float *y) {
+    const int64_t t = ((slots[m] / page_size) * Hkv + h) * page_size + slots[m] % page_size;
+    const float *xv = x + m * sx + h * D;
+    if (rot && s->bits != 16) {
+        rotate(xv, rot, D, 0, y);
+        xv = y;
+    }
+    if (s->bits == 16) {
+        for (int64_t d = 0; d < D; d++) ((uint16_t *)s->codes)[t * D + d] = to_half(xv[d]);
+        return;
+    }
+    const int64_t G = D / s->group, g = s->group;
+    for (int64_t gi = 0; gi < G; gi++) {
+        const float *v = xv + gi * g;
+        if (s->bits == 8) {
+            float amax = 0.0f;
+            for (int64_t k = 0; k < g; k++) amax = fabsf(v[k]) > amax ? fabsf(v[k]) : amax;
+            const uint16_t d16 = to_half(amax / 127.0f);
+            const float d = _cvtsh_ss(d16), inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *c = (int8_t *)s->codes + t * D + gi * g;
+            for (int64_t k = 0; k < g; k++) {
+                const float q = nearbyintf(v[k] * inv);
+                c[k] = (int8_t)(q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q);
+            }
+            s->scales[t * G + gi] = d16;
+        } else {
+            float lo = v[0], hi = v[0];
+            for (int64_t k = 1; k < g; k++) {
+                lo = v[k] < lo ? v[k] : lo;
+                hi = v[k] > hi ? v[k] : hi;
+            }
+            const uint16_t m16 = to_half(lo);
+            const float mn = _cvtsh_ss(m16);
+            const uint16_t d16 = to_half((hi - mn) / 15.0f);
+            const float d = _cvtsh_ss(d16), inv = d > 0.0f ? 1.0f / d : 0.0f;
+            uint8_t *c = (uint8_t *)s->codes + (t * D + gi * g) / 2;
+            for (int64_t k = 0; k < g; k += 2) {
+                float u0 = nearbyintf((v[k] - mn) * inv), u1 = nearbyintf((v[k + 1] - mn) * inv);
+                u0 = u0 < 0.0f ? 0.0f : u0 > 15.0f ? 15.0f : u0;
+                u1 = u1 < 0.0f ? 0.0f : u1 > 15.0f ? 15.0f : u1;
+                c[k / 2] = (uint8_t)((uint8_t)u0 | ((uint8_t)u1 << 4));
+            }
+            s->scales[t * G + gi] = d16;
+            s->mins[t * G + gi] = m16;
+        }
+    }
+}
+
+/* Every (token, head) vector of x fp32 [M, Hkv, D] into its slot of side s (kv_write_one). */
 int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t D, const int64_t *slots,
                     int64_t page_size, const lowbit_kv_side *s, const float *rot) {
-    if (D % 2 || (s->bits != 16 && (D % s->group || s->group % 2))) return -1;
+    if (!kv_side_ok(s, D)) return -1;
     float y[D];
     for (int64_t m = 0; m < M; m++)
-        for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t t = ((slots[m] / page_size) * Hkv + h) * page_size + slots[m] % page_size;
-            const float *xv = x + m * sx + h * D;
-            if (rot && s->bits != 16) {
-                rotate(xv, rot, D, 0, y);
-                xv = y;
-            }
-            if (s->bits == 16) {
-                for (int64_t d = 0; d < D; d++) ((uint16_t *)s->codes)[t * D + d] = to_half(xv[d]);
-                continue;
-            }
-            const int64_t G = D / s->group, g = s->group;
-            for (int64_t gi = 0; gi < G; gi++) {
-                const float *v = xv + gi * g;
-                if (s->bits == 8) {
-                    float amax = 0.0f;
-                    for (int64_t k = 0; k < g; k++) amax = fabsf(v[k]) > amax ? fabsf(v[k]) : amax;
-                    const uint16_t d16 = to_half(amax / 127.0f);
-                    const float d = _cvtsh_ss(d16), inv = d > 0.0f ? 1.0f / d : 0.0f;
-                    int8_t *c = (int8_t *)s->codes + t * D + gi * g;
-                    for (int64_t k = 0; k < g; k++) {
-                        const float q = nearbyintf(v[k] * inv);
-                        c[k] = (int8_t)(q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q);
-                    }
-                    s->scales[t * G + gi] = d16;
-                } else {
-                    float lo = v[0], hi = v[0];
-                    for (int64_t k = 1; k < g; k++) {
-                        lo = v[k] < lo ? v[k] : lo;
-                        hi = v[k] > hi ? v[k] : hi;
-                    }
-                    const uint16_t m16 = to_half(lo);
-                    const float mn = _cvtsh_ss(m16);
-                    const uint16_t d16 = to_half((hi - mn) / 15.0f);
-                    const float d = _cvtsh_ss(d16), inv = d > 0.0f ? 1.0f / d : 0.0f;
-                    uint8_t *c = (uint8_t *)s->codes + (t * D + gi * g) / 2;
-                    for (int64_t k = 0; k < g; k += 2) {
-                        float u0 = nearbyintf((v[k] - mn) * inv), u1 = nearbyintf((v[k + 1] - mn) * inv);
-                        u0 = u0 < 0.0f ? 0.0f : u0 > 15.0f ? 15.0f : u0;
-                        u1 = u1 < 0.0f ? 0.0f : u1 > 15.0f ? 15.0f : u1;
-                        c[k / 2] = (uint8_t)((uint8_t)u0 | ((uint8_t)u1 << 4));
-                    }
-                    s->scales[t * G + gi] = d16;
-                    s->mins[t * G + gi] = m16;
-                }
-            }
-        }
+        for (int64_t h = 0; h < Hkv; h++) kv_write_one(x, sx, Hkv, D, slots, page_size, s, rot, m, h, y);
+    return 0;
+}
+
+/* A step's K and V (kx, vx: [M, Hkv, D], rows sx apart) into sides ks and vs, the (side, token, head)
+ * vectors shared out over the threads of the region (each is written alone, so the pool is what the
+ * serial form writes). A team function; the sides are checked by the caller (kv_side_ok). */
+int lowbit_kv_write_team(const float *kx, const float *vx, int64_t sx, int64_t M, int64_t Hkv, int64_t D,
+                         const int64_t *slots, int64_t page_size, const lowbit_kv_side *ks, const lowbit_kv_side *vs,
+                         const float *rot) {
+    if (!kv_side_ok(ks, D) || !kv_side_ok(vs, D)) return -1;
+    float y[D];
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < 2 * M * Hkv; i++) {
+        const int v = i >= M * Hkv;
+        const int64_t j = i - v * M * Hkv;
+        kv_write_one(v ? vx : kx, sx, Hkv, D, slots, page_size, v ? vs : ks, rot, j / Hkv, j % Hkv, y);
+    }
     return 0;
 }

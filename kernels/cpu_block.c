@@ -240,8 +240,9 @@ int lowbit_decode_layers(const lowbit_ctx *c, const lowbit_block *blocks, int64_
 /* A whole decode step over the paged pool (runtime/kv_cache.py), every row one token, in one parallel
  * region: per block, block_pre, the K and V of the step quantized into their slots (kv_write, rotated
  * by write_rot when the format rotates), paged decode attention over each row's first ctx[r] tokens
- * (attn_rot: both sides rotated), block_post — the arithmetic of the per-block path, in the same
- * order, so the result is bit-identical to it. k_sides/v_sides: one descriptor per layer. Scratch is
+ * (attn_rot: both sides rotated; both are the rotation's D signs, cpu_attention.c `rotate`),
+ * block_post — the arithmetic of the per-block path, in the same order, so the result is
+ * bit-identical to it. k_sides/v_sides: one descriptor per layer. Scratch is
  * allocated once for the step. Returns 0, -1 for shapes it does not take, -2 for a failed allocation. */
 int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, int64_t L, int64_t M, float *delta,
                                float *residual, const float *cos, const float *sin, const int64_t *slots,
@@ -271,12 +272,12 @@ int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, 
     for (int64_t l = 0; l < L; l++) {
         const lowbit_block *b = blocks + l;
         block_pre_team(c, b, M, delta, residual, l > 0, cos, sin, qkv, &ws);
-#pragma omp single
-        {
-            int e = lowbit_kv_write(qkv + H * D, W, M, Hkv, D, slots, page_size, k_sides + l, write_rot);
-            e |= lowbit_kv_write(qkv + (H + Hkv) * D, W, M, Hkv, D, slots, page_size, v_sides + l, write_rot);
-            if (e) rc = -1;
+        if (lowbit_kv_write_team(qkv + H * D, qkv + (H + Hkv) * D, W, M, Hkv, D, slots, page_size, k_sides + l,
+                                 v_sides + l, write_rot)) {  /* a side it does not take: every thread skips alike */
+#pragma omp atomic write
+            rc = -1;
         }
+#pragma omp barrier
         lowbit_paged_attention_team(qkv, W, M, H, Hkv, D, ctx, tables, toff, page_size, k_sides + l, v_sides + l,
                                     attn_rot, window, scale, scratch, att, attn);
         block_post_team(c, b, M, attn, residual, delta, &ws);

@@ -126,6 +126,9 @@ int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const fl
                             int64_t D, const int64_t *pos, int64_t window, float scale, float *out, int nthreads);
 int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t D, const int64_t *slots,
                     int64_t page_size, const lowbit_kv_side *s, const float *rot);
+int lowbit_kv_write_team(const float *kx, const float *vx, int64_t sx, int64_t M, int64_t Hkv, int64_t D,
+                         const int64_t *slots, int64_t page_size, const lowbit_kv_side *ks, const lowbit_kv_side *vs,
+                         const float *rot);
 size_t lowbit_paged_attention_scratch(int64_t R, int64_t H, int64_t Hkv, int64_t D, const int64_t *ctx,
                                       int64_t window);
 void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,

@@ -114,6 +114,7 @@ class NativeKernels:
     def __init__(self, lib: ctypes.CDLL, isa: str | None = None, sides: dict | None = None):
         self.lib = lib
         self._sides = {} if sides is None else sides  # a pool side's descriptor, built once (~4 us each)
+        self._rot_signs: dict = {}  # a KV rotation's signs, checked once (`_signs`)
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         lib.lowbit_isa_available.argtypes, lib.lowbit_isa_available.restype = [i64], ctypes.c_int
         lib.lowbit_isa_best.restype = i64
@@ -128,6 +129,7 @@ class NativeKernels:
         lib.lowbit_linear_mm.argtypes = [ctxp, lin, ptr, i64, ptr]
         lib.lowbit_int4_dequant_t.argtypes = [lin, ptr, ctypes.c_int]
         lib.lowbit_int8_dequant.argtypes = [lin, i64, i64, ptr, ctypes.c_int]
+        lib.lowbit_int8_rows.argtypes = [lin, ptr, i64, ptr]
         lib.lowbit_add_rms_norm.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, f32, i64, i64, ptr]
         lib.lowbit_rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
         lib.lowbit_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr]
@@ -187,6 +189,14 @@ class NativeKernels:
         out = torch.empty(max(0, stop - start), desc.K)
         if self.lib.lowbit_int8_dequant(ctypes.byref(desc), start, stop, out.data_ptr(), torch.get_num_threads()):
             raise ValueError(f"cpu int8 dequantize refused rows {start}:{stop} of N={desc.N}")
+        return out
+
+    def int8_rows(self, desc: _Linear, ids: torch.Tensor) -> torch.Tensor:
+        """An int8 weight's rows ids (int64 [n], each in 0..N-1) → fp32 [n, K]: the embedding lookup."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), desc.K)
+        if self.lib.lowbit_int8_rows(ctypes.byref(desc), ids.data_ptr(), ids.numel(), out.data_ptr()):
+            raise ValueError(f"cpu int8 rows: an id outside 0..{desc.N - 1}")
         return out
 
     # The small per-row ops (kernels/cpu_block.c). Each takes fp32 rows whose last dim is contiguous
@@ -265,8 +275,8 @@ class NativeKernels:
         vs = v_sides if isinstance(v_sides, ctypes.Array) else self.side_array(v_sides, D)
         return self.lib.lowbit_decode_paged_layers(
             self._ctx(), blocks, len(blocks), M, delta.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            slots.data_ptr(), page_size, ks, vs, None if write_rot is None else write_rot.data_ptr(),
-            None if attn_rot is None else attn_rot.data_ptr(), ctx.data_ptr(), tables.data_ptr(), toff.data_ptr(),
+            slots.data_ptr(), page_size, ks, vs, self._signs(write_rot), self._signs(attn_rot), ctx.data_ptr(),
+            tables.data_ptr(), toff.data_ptr(),
             window or 0, D ** -0.5)
 
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
@@ -299,7 +309,7 @@ class NativeKernels:
         """One query token per row over the paged pool (cpu_attention.c): q fp32 [R, H, D] (heads
         contiguous), ctx int64 [R] keys seen per row, row r's page ids at tables[toff[r]:] (int64),
         each side (bits, group, the pool's tensors of one layer: "data" | "codes", "scales"[, "mins"]),
-        rot fp32 [D, D] when both sides are stored rotated → fp32 [R, H, D]."""
+        rot fp32 [D, D] (kernels/kv_quant.py rotation) when both sides are stored rotated → fp32 [R, H, D]."""
         R, H, D = q.shape
         sides = [self._side(*s, D) for s in (k_side, v_side)]
         Hkv = next(iter(k_side[2].values())).shape[1]
@@ -312,7 +322,7 @@ class NativeKernels:
         out = torch.empty(R, H, D)
         rc = self.lib.lowbit_paged_decode_attention(
             q.data_ptr(), q.stride(0), R, H, Hkv, D, ctx.data_ptr(), tables.data_ptr(), toff.data_ptr(), page_size,
-            ctypes.byref(sides[0]), ctypes.byref(sides[1]), None if rot is None else rot.data_ptr(), window or 0,
+            ctypes.byref(sides[0]), ctypes.byref(sides[1]), self._signs(rot), window or 0,
             D ** -0.5, out.data_ptr(), torch.get_num_threads())
         if rc:
             raise ValueError(f"cpu paged decode attention failed (status {rc})")
@@ -328,9 +338,30 @@ class NativeKernels:
         if not ok:
             raise ValueError(f"cpu kv write: unsupported input {tuple(x.shape)} {x.dtype} strides {x.stride()}")
         rc = self.lib.lowbit_kv_write(x.data_ptr(), x.stride(0), M, Hkv, D, slots.data_ptr(), page_size,
-                                      ctypes.byref(self._side(*side, D)), None if rot is None else rot.data_ptr())
+                                      ctypes.byref(self._side(*side, D)), self._signs(rot))
         if rc:
             raise ValueError(f"cpu kv write: unsupported {side[0]}-bit side with group {side[1]}")
+
+    def _signs(self, rot: torch.Tensor | None) -> int | None:
+        """The KV rotation fp32 [D, D] → a pointer to its D signs, which is what the C kernels take:
+        they apply it as a fast Walsh-Hadamard transform (cpu_attention.c `rotate`), so it must be
+        diag(s) H / sqrt(D) (kernels/kv_quant.py rotation) — checked once per matrix."""
+        if rot is None:
+            return None
+        key = (rot.data_ptr(), tuple(rot.shape))
+        hit = self._rot_signs.get(key)
+        if hit is None or hit[0] is not rot:
+            from lowbit.kernels.kv_quant import hadamard
+
+            D = rot.shape[0]
+            signs = (rot[:, 0] * D ** 0.5).round().contiguous()
+            if rot.dtype != torch.float32 or rot.shape != (D, D) or not torch.allclose(
+                    signs[:, None] * hadamard(D), rot, atol=1e-6, rtol=0):
+                raise ValueError("cpu kernels: the KV rotation is not a signed Hadamard matrix")
+            if len(self._rot_signs) > 64:
+                self._rot_signs.clear()
+            hit = self._rot_signs[key] = (rot, signs)
+        return hit[1].data_ptr()
 
     def side_array(self, sides: list, D: int) -> ctypes.Array:
         """One ctypes descriptor per layer for (bits, group, tensors) sides (built in ~5 us a side:

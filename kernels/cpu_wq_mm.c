@@ -270,3 +270,34 @@ int lowbit_int8_dequant(const lowbit_linear *w, int64_t n0, int64_t n1, float *o
     }
     return 0;
 }
+
+/* int8 (kind 2) → the rows ids[0..n) of W, fp32 [n, K] (the embedding lookup of a tied table): the
+ * same products as lowbit_int8_dequant. Serial: a decode step looks up one row per sequence. */
+int lowbit_int8_rows(const lowbit_linear *w, const int64_t *ids, int64_t n, float *out) {
+    if (w->kind != 2 || lowbit_linear_check(w, LOWBIT_ISA_AVX2)) return -1;
+    const int64_t K = w->K, gs = w->group, P = w->P, G = K / gs, tb = lowbit_tile_bytes(w);
+    const __m128i off = _mm_set1_epi32(128);
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= w->N) return -1;
+        const int64_t t = ids[i] / LOWBIT_TILE, r = ids[i] % LOWBIT_TILE;
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *unit = lowbit_group_scales(w, w->data + t * tb, g), *codes = lowbit_group_codes(w, w->data + t * tb, g);
+            float dr;
+            if (P == 2) {
+                uint16_t h;
+                memcpy(&h, unit + 2 * r, 2);
+                dr = _cvtsh_ss(h);
+            } else {
+                memcpy(&dr, unit + 4 * r, 4);
+            }
+            const __m128 d = _mm_set1_ps(dr);
+            for (int64_t c = 0; c < gs / 4; c++) {
+                int32_t quad;
+                memcpy(&quad, codes + 64 * c + 4 * r, 4);
+                const __m128i u = _mm_sub_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(quad)), off);
+                _mm_storeu_ps(out + i * K + g * gs + 4 * c, _mm_mul_ps(_mm_cvtepi32_ps(u), d));
+            }
+        }
+    }
+    return 0;
+}

@@ -66,6 +66,8 @@ class Int8Packed:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (embedding lookup), fp32 [len(ids), K]."""
+        if self.data.device.type == "cpu" and (kernels := cpu_native.native()) is not None:
+            return kernels.int8_rows(self.c_desc(), ids)[:, : self.in_features]  # ~5 us, not ~0.2 ms of torch ops
         q, sc = self._tiles(ids // TILE)  # one tile per id
         r = ids % TILE
         q, sc = q[torch.arange(len(ids)), r], sc[torch.arange(len(ids)), r]  # [n, Kp], [n, G]

@@ -299,8 +299,9 @@ def test_int8_layout_is_lowbits_own():
     assert pc.data.shape == (1, 64 + 64 * 16) and pc.scale_bytes == 4 and pc.padded_shape == (16, 64)
 
 
-def test_int8_rows_are_the_dequantized_rows():
-    """Embedding lookups read the packed table: the same values as the reference dequantization."""
+def test_int8_rows_are_the_dequantized_rows(decode_kernel):
+    """Embedding lookups read the packed table (in C, or through torch without it): the same values
+    as the reference dequantization."""
     for name in ("int8", "int8-g32"):
         w = quantize_weight(_matrix(300, 101, seed=5), parse_weights(name))
         ids = torch.tensor([0, 299, 17, 17, 42])
