@@ -92,6 +92,14 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
 
+/* The sums of 8 vectors' lanes: lane u of the result is the sum of v[u] (a fixed tree of hadds). */
+static inline __m256 hsum8x8(const __m256 v[8]) {
+    const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 c = _mm256_hadd_ps(v[4], v[5]), e = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 ab = _mm256_hadd_ps(a, b), ce = _mm256_hadd_ps(c, e);  /* per 128-bit lane: v0..v3 | v4..v7 halves */
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, ce, 0x20), _mm256_permute2f128_ps(ab, ce, 0x31));
+}
+
 /* exp(x) for 8 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), exp(r) by its degree-6
  * Taylor polynomial (relative error < 3e-8 there), times 2^n through the exponent bits; below -87.3 it
  * is 0 and above 88.7 the largest float. Softmax's exponentials were most of paged attention's time
@@ -191,41 +199,71 @@ static void rotate(const float *x, const float *signs, int64_t D, int transposed
     for (int64_t i = 0; i < D; i++) y[i] = transposed ? y[i] * scale * signs[i] : y[i] * scale;
 }
 
-/* Floats of scratch one thread needs for paged decode attention over these rows: the scores of its
- * (row, KV head) item, the H / Hkv queries' vectors and outputs, one K or V vector, and per group
- * scales and sums. */
-size_t lowbit_paged_attention_scratch(int64_t R, int64_t H, int64_t Hkv, int64_t D, const int64_t *ctx,
-                                      int64_t window) {
-    const int64_t grp = H / Hkv;
-    int64_t n = 1;
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t len = window > 0 && ctx[r] > window ? window : ctx[r];
-        n = len > n ? len : n;
-    }
-    return (size_t)(n * grp + (4 * grp + 4) * D + 16);
-}
-
 /* Decode attention straight from the paged, quantized pool: R query rows, each one token of its
  * sequence seeing the first ctx[r] >= 1 tokens of it (its own included; the last `window` if window > 0).
- * q [R, H, D] (rows sq floats apart); row r's page ids are tables[toff[r] ...]; rot: the rotation's D
- * signs (`rotate`) when both sides are stored rotated (q is rotated, the output rotated back) or NULL
- * → out fp32 [R, H, D].
- * Work items are (row, KV head): each key and value vector is dequantized once for the H / Hkv query
- * heads that read it. A team function (items shared out, then a barrier); scratch holds per_thread
- * floats (lowbit_paged_attention_scratch) for each thread of the region. */
+ *
+ * Work items are (chunk of a row's context, KV head): every row's context is cut into chunks of
+ * ATTN_CHUNK tokens (a rule of the row's own length, so its numbers do not depend on the other rows:
+ * batch invariance), each item attends its chunk for the H / Hkv query heads that read the KV head —
+ * each key and value vector dequantized once for them — and leaves the chunk's unnormalized output,
+ * max score and exp-sum; then each (row, head) merges its chunks in order (flash-decoding). One row
+ * of the default model (3 KV heads) made 3 items for 2 threads; at 256 tokens it makes 6. */
+#define ATTN_CHUNK 128
+
+/* The step's chunks: plan[3c .. 3c+2] = (row, first token, last token) for c < the returned count,
+ * then plan[3 nc + r] = row r's first chunk (r <= R). plan NULL: only count. */
+int64_t lowbit_paged_attention_plan(int64_t R, const int64_t *ctx, int64_t window, int64_t *plan) {
+    int64_t nc = 0;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t last = ctx[r] - 1, first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+        nc += (last - first + ATTN_CHUNK) / ATTN_CHUNK;
+    }
+    if (!plan) return nc;
+    int64_t c = 0;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t last = ctx[r] - 1, first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+        plan[3 * nc + r] = c;
+        for (int64_t t = first; t <= last; t += ATTN_CHUNK, c++) {
+            plan[3 * c] = r, plan[3 * c + 1] = t;
+            plan[3 * c + 2] = t + ATTN_CHUNK - 1 < last ? t + ATTN_CHUNK - 1 : last;
+        }
+    }
+    plan[3 * nc + R] = nc;
+    return nc;
+}
+
+/* Floats of scratch one thread needs: one chunk's scores for the H / Hkv query heads, their vectors
+ * and outputs, 8 key vectors, and per group scales and sums. */
+size_t lowbit_paged_attention_scratch(int64_t H, int64_t Hkv, int64_t D) {
+    const int64_t grp = H / Hkv;
+    return (size_t)(ATTN_CHUNK * grp + (4 * grp + 12) * D + 16);
+}
+
+/* Floats the items leave for the merge: per chunk and query head, the output [D], max and exp-sum. */
+size_t lowbit_paged_attention_partials(int64_t nchunks, int64_t H, int64_t D) {
+    return (size_t)(nchunks * H * (D + 2));
+}
+
+/* q [R, H, D] (rows sq floats apart); the plan and chunk count from lowbit_paged_attention_plan; row r's
+ * page ids are tables[toff[r] ...]; rot: the rotation's D signs (`rotate`) when both sides are stored
+ * rotated (q is rotated, the output rotated back) or NULL → out fp32 [R, H, D]. A team function (items
+ * shared out, a barrier, the merges shared out, a barrier); scratch: per_thread floats
+ * (lowbit_paged_attention_scratch) for each thread; partials: lowbit_paged_attention_partials floats. */
 void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
-                                 const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
-                                 const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
-                                 int64_t window, float scale, float *scratch, size_t per_thread, float *out) {
+                                 const int64_t *plan, int64_t nchunks, const int64_t *tables, const int64_t *toff,
+                                 int64_t page_size, const lowbit_kv_side *ks, const lowbit_kv_side *vs,
+                                 const float *rot, float scale, float *scratch, size_t per_thread, float *partials,
+                                 float *out) {
     const int64_t grp = H / Hkv, GK = ks->bits == 16 ? 1 : D / ks->group, GV = vs->bits == 16 ? 1 : D / vs->group;
     const int64_t gk = D / GK, gv = D / GV;
     float *buf = scratch + per_thread * (size_t)omp_get_thread_num();
 #pragma omp for schedule(dynamic)
-    for (int64_t item = 0; item < R * Hkv; item++) {
-        const int64_t r = item / Hkv, kvh = item % Hkv, last = ctx[r] - 1;
-        const int64_t first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0, n = last - first + 1;
-        float *p = buf, *qr = p + n * grp, *o = qr + grp * D, *x = o + grp * D, *y = x + D;
+    for (int64_t item = 0; item < nchunks * Hkv; item++) {
+        const int64_t c = item / Hkv, kvh = item % Hkv, r = plan[3 * c], first = plan[3 * c + 1], last = plan[3 * c + 2];
+        const int64_t n = last - first + 1;
+        float *p = buf, *qr = p + ATTN_CHUNK * grp, *o = qr + grp * D, *x = o + grp * D, *y = x + D;
         float *d = y + D, *m = d + D, *qs = m + D, *ms = qs + grp * D;  /* per group: scale, min; per head and group: sum q, sum p m */
+        float *xs = ms + grp * D;  /* 8 key vectors' codes (or a second value vector's) */
         for (int64_t j = 0; j < grp; j++) {
             const float *qh = q + r * sq + (kvh * grp + j) * D;
             if (rot) rotate(qh, rot, D, 0, qr + j * D);
@@ -237,47 +275,92 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
             }
         }
         const int64_t *table = tables + toff[r];
-        for (int64_t t = first; t <= last; t++) {  /* scores: per group d (q . c) + m sum q */
-            kv_codes(ks, (table[t / page_size] * Hkv + kvh) * page_size + t % page_size, D, x, d, m);
+#define KV_INDEX(t) ((table[(t) / page_size] * Hkv + kvh) * page_size + (t) % page_size)
+        for (int64_t t0 = first; t0 <= last; t0 += 8) {  /* scores, 8 tokens at a time: per group d (q . c) + m sum q */
+            const int64_t nt = last - t0 + 1 < 8 ? last - t0 + 1 : 8;
+            float dk[8 * 64], mk[8 * 64];  /* [group][token] */
+            for (int64_t u = 0; u < nt; u++) {
+                float dg[64], mg[64];
+                kv_codes(ks, KV_INDEX(t0 + u), D, xs + u * D, dg, mg);
+                for (int64_t g = 0; g < GK; g++) dk[g * 8 + u] = dg[g], mk[g * 8 + u] = mg[g];
+            }
+            for (int64_t u = nt; u < 8; u++) {  /* a short last group of tokens: zeros, their scores unused */
+                for (int64_t k = 0; k < D; k++) xs[u * D + k] = 0.0f;
+                for (int64_t g = 0; g < GK; g++) dk[g * 8 + u] = mk[g * 8 + u] = 0.0f;
+            }
             for (int64_t j = 0; j < grp; j++) {
-                float sc = 0.0f;
+                __m256 sc = _mm256_setzero_ps();
                 for (int64_t g = 0; g < GK; g++) {
-                    __m256 acc = _mm256_setzero_ps();
-                    for (int64_t k = g * gk; k < (g + 1) * gk; k += 8)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + j * D + k), _mm256_loadu_ps(x + k), acc);
-                    sc += d[g] * hsum8(acc) + m[g] * qs[j * GK + g];
+                    __m256 acc[8];
+                    for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+                    for (int64_t k = g * gk; k < (g + 1) * gk; k += 8) {
+                        const __m256 qv = _mm256_loadu_ps(qr + j * D + k);
+                        for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(xs + u * D + k), acc[u]);
+                    }
+                    sc = _mm256_add_ps(sc, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(dk + g * 8), hsum8x8(acc)),
+                                                         _mm256_mul_ps(_mm256_loadu_ps(mk + g * 8),
+                                                                       _mm256_set1_ps(qs[j * GK + g]))));
                 }
-                p[j * n + t - first] = sc * scale;
+                float s8[8];
+                _mm256_storeu_ps(s8, _mm256_mul_ps(sc, _mm256_set1_ps(scale)));
+                for (int64_t u = 0; u < nt; u++) p[j * n + t0 + u - first] = s8[u];
             }
         }
-        float sum[grp];
+        float mx[grp], sum[grp];
         for (int64_t j = 0; j < grp; j++) {
-            float mx = -INFINITY, *pj = p + j * n;
-            for (int64_t i = 0; i < n; i++) mx = pj[i] > mx ? pj[i] : mx;
-            sum[j] = exp_sum(pj, n, mx);
+            float *pj = p + j * n;
+            mx[j] = -INFINITY;
+            for (int64_t i = 0; i < n; i++) mx[j] = pj[i] > mx[j] ? pj[i] : mx[j];
+            sum[j] = exp_sum(pj, n, mx[j]);
         }
         for (int64_t i = 0; i < grp * D; i++) o[i] = 0.0f;
         for (int64_t i = 0; i < grp * GV; i++) ms[i] = 0.0f;
-        for (int64_t t = first; t <= last; t++) {  /* values: o += (p d) u per group, and p m aside */
-            kv_codes(vs, (table[t / page_size] * Hkv + kvh) * page_size + t % page_size, D, x, d, m);
+        for (int64_t t = first; t <= last; t += 2) {  /* values, 2 tokens a pass over o: o += (p d) u per group, p m aside */
+            const int two = t + 1 <= last;
+            float d1[64], m1[64];
+            kv_codes(vs, KV_INDEX(t), D, x, d, m);
+            if (two) kv_codes(vs, KV_INDEX(t + 1), D, xs, d1, m1);
             for (int64_t j = 0; j < grp; j++) {
-                const float pj = p[j * n + t - first];
+                const float p0 = p[j * n + t - first], p1 = two ? p[j * n + t + 1 - first] : 0.0f;
                 float *oj = o + j * D;
                 for (int64_t g = 0; g < GV; g++) {
-                    const __m256 c = _mm256_set1_ps(pj * d[g]);
-                    for (int64_t k = g * gv; k < (g + 1) * gv; k += 8)
-                        _mm256_storeu_ps(oj + k, _mm256_fmadd_ps(c, _mm256_loadu_ps(x + k), _mm256_loadu_ps(oj + k)));
-                    ms[j * GV + g] += pj * m[g];
+                    const __m256 c0 = _mm256_set1_ps(p0 * d[g]), c1 = _mm256_set1_ps(two ? p1 * d1[g] : 0.0f);
+                    for (int64_t k = g * gv; k < (g + 1) * gv; k += 8) {
+                        __m256 acc = _mm256_fmadd_ps(c0, _mm256_loadu_ps(x + k), _mm256_loadu_ps(oj + k));
+                        if (two) acc = _mm256_fmadd_ps(c1, _mm256_loadu_ps(xs + k), acc);
+                        _mm256_storeu_ps(oj + k, acc);
+                    }
+                    ms[j * GV + g] += p0 * m[g] + (two ? p1 * m1[g] : 0.0f);
                 }
             }
         }
-        for (int64_t j = 0; j < grp; j++) {
-            float *oj = o + j * D, *dst = out + (r * H + kvh * grp + j) * D;
-            const float inv = 1.0f / sum[j];
-            for (int64_t k = 0; k < D; k++) oj[k] = (oj[k] + ms[j * GV + k / gv]) * inv;
-            if (rot) rotate(oj, rot, D, 1, y);
-            for (int64_t k = 0; k < D; k++) dst[k] = rot ? y[k] : oj[k];
+#undef KV_INDEX
+        for (int64_t j = 0; j < grp; j++) {  /* the chunk's unnormalized output, max and exp-sum */
+            float *part = partials + (c * H + kvh * grp + j) * (D + 2);
+            for (int64_t k = 0; k < D; k++) part[k] = o[j * D + k] + ms[j * GV + k / gv];
+            part[D] = mx[j], part[D + 1] = sum[j];
         }
+    }
+    /* (the loop's barrier: every chunk is done) merge each (row, head)'s chunks in order */
+#pragma omp for schedule(static)
+    for (int64_t rh = 0; rh < R * H; rh++) {
+        const int64_t r = rh / H, h = rh % H, c0 = plan[3 * nchunks + r], c1 = plan[3 * nchunks + r + 1];
+        float *y = buf, *acc = y + D, *dst = out + rh * D;
+        float top = -INFINITY, sum = 0.0f;
+        for (int64_t c = c0; c < c1; c++) {
+            const float mc = partials[(c * H + h) * (D + 2) + D];
+            top = mc > top ? mc : top;
+        }
+        for (int64_t k = 0; k < D; k++) acc[k] = 0.0f;
+        for (int64_t c = c0; c < c1; c++) {
+            const float *part = partials + (c * H + h) * (D + 2), w = expf(part[D] - top);  /* one chunk: w = 1 */
+            for (int64_t k = 0; k < D; k++) acc[k] += w * part[k];
+            sum += w * part[D + 1];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t k = 0; k < D; k++) acc[k] *= inv;
+        if (rot) rotate(acc, rot, D, 1, y);
+        for (int64_t k = 0; k < D; k++) dst[k] = rot ? y[k] : acc[k];
     }
 }
 
@@ -286,16 +369,21 @@ int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t
                                   const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
                                   const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
                                   int64_t window, float scale, float *out, int nthreads) {
-    if (H % Hkv || D % 8) return -1;
+    if (H % Hkv || D % 8 || D > 512) return -1;  /* vector steps of 8; at most 64 groups of 8 per vector */
     for (int64_t r = 0; r < R; r++)
         if (ctx[r] < 1) return -1;
-    const size_t per = lowbit_paged_attention_scratch(R, H, Hkv, D, ctx, window);
-    float *scratch = malloc(sizeof(float) * per * (size_t)(nthreads > 0 ? nthreads : 1));
-    if (!scratch) return -2;
-#pragma omp parallel num_threads(nthreads)
-    lowbit_paged_attention_team(q, sq, R, H, Hkv, D, ctx, tables, toff, page_size, ks, vs, rot, window, scale,
-                                scratch, per, out);
-    free(scratch);
+    const int64_t nc = lowbit_paged_attention_plan(R, ctx, window, NULL);
+    const size_t per = lowbit_paged_attention_scratch(H, Hkv, D), parts = lowbit_paged_attention_partials(nc, H, D);
+    const int nt = nthreads > 0 ? nthreads : 1;
+    float *mem = malloc(sizeof(float) * (per * (size_t)nt + parts) + sizeof(int64_t) * (size_t)(3 * nc + R + 1));
+    if (!mem) return -2;
+    float *partials = mem + per * (size_t)nt;
+    int64_t *plan = (int64_t *)(partials + parts);
+    lowbit_paged_attention_plan(R, ctx, window, plan);
+#pragma omp parallel num_threads(nt)
+    lowbit_paged_attention_team(q, sq, R, H, Hkv, D, plan, nc, tables, toff, page_size, ks, vs, rot, scale, mem, per,
+                                partials, out);
+    free(mem);
     return 0;
 }
 

@@ -258,15 +258,18 @@ int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, 
             return -1;
     for (int64_t r = 0; r < M; r++)
         if (ctx[r] < 1) return -1;
-    if (H % Hkv || D % 8) return -1;
-    const size_t att = lowbit_paged_attention_scratch(M, H, Hkv, D, ctx, window);  /* floats per thread */
-    const size_t bytes = sizeof(float) * ((size_t)(M * (W + H * D)) + att * (size_t)c->nthreads) +
-                         block_ws_bytes(b0, M) + 64;
+    if (H % Hkv || D % 8 || D > 512) return -1;  /* paged attention's vector steps and group count */
+    const int64_t nc = lowbit_paged_attention_plan(M, ctx, window, NULL);  /* attention's chunks, the same every layer */
+    const size_t att = lowbit_paged_attention_scratch(H, Hkv, D), parts = lowbit_paged_attention_partials(nc, H, D);
+    const size_t bytes = sizeof(float) * ((size_t)(M * (W + H * D)) + att * (size_t)c->nthreads + parts) +
+                         sizeof(int64_t) * (size_t)(3 * nc + M + 1) + block_ws_bytes(b0, M) + 64;
     float *mem = malloc(bytes);
     if (!mem) return -2;
-    float *qkv = mem, *attn = qkv + M * W, *scratch = attn + M * H * D;
+    float *qkv = mem, *attn = qkv + M * W, *scratch = attn + M * H * D, *partials = scratch + att * (size_t)c->nthreads;
+    int64_t *plan = (int64_t *)(partials + parts);
+    lowbit_paged_attention_plan(M, ctx, window, plan);
     block_ws ws;
-    block_ws_init(&ws, scratch + att * (size_t)c->nthreads, b0, M);
+    block_ws_init(&ws, plan + 3 * nc + M + 1, b0, M);
     int rc = 0;
 #pragma omp parallel num_threads((int)c->nthreads)
     for (int64_t l = 0; l < L; l++) {
@@ -278,8 +281,8 @@ int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, 
             rc = -1;
         }
 #pragma omp barrier
-        lowbit_paged_attention_team(qkv, W, M, H, Hkv, D, ctx, tables, toff, page_size, k_sides + l, v_sides + l,
-                                    attn_rot, window, scale, scratch, att, attn);
+        lowbit_paged_attention_team(qkv, W, M, H, Hkv, D, plan, nc, tables, toff, page_size, k_sides + l, v_sides + l,
+                                    attn_rot, scale, scratch, att, partials, attn);
         block_post_team(c, b, M, attn, residual, delta, &ws);
     }
     free(mem);

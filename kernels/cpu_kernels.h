@@ -129,12 +129,14 @@ int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t 
 int lowbit_kv_write_team(const float *kx, const float *vx, int64_t sx, int64_t M, int64_t Hkv, int64_t D,
                          const int64_t *slots, int64_t page_size, const lowbit_kv_side *ks, const lowbit_kv_side *vs,
                          const float *rot);
-size_t lowbit_paged_attention_scratch(int64_t R, int64_t H, int64_t Hkv, int64_t D, const int64_t *ctx,
-                                      int64_t window);
+int64_t lowbit_paged_attention_plan(int64_t R, const int64_t *ctx, int64_t window, int64_t *plan);
+size_t lowbit_paged_attention_scratch(int64_t H, int64_t Hkv, int64_t D);
+size_t lowbit_paged_attention_partials(int64_t nchunks, int64_t H, int64_t D);
 void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
-                                 const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
-                                 const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
-                                 int64_t window, float scale, float *scratch, size_t per_thread, float *out);
+                                 const int64_t *plan, int64_t nchunks, const int64_t *tables, const int64_t *toff,
+                                 int64_t page_size, const lowbit_kv_side *ks, const lowbit_kv_side *vs,
+                                 const float *rot, float scale, float *scratch, size_t per_thread, float *partials,
+                                 float *out);
 int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
                                   const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
                                   const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,

@@ -1,39 +1,37 @@
 """lowbit's C kernels for the CPU path, built on first use into one library and called through ctypes:
-the decode-sized weight-only matmul and the exact path's weight tiles (kernels/cpu_wq_mm.c); the
-small per-row ops of a block, its two fused halves, and a whole single-token step in one call over
-either cache (kernels/cpu_block.c, driven by kernels/cpu_block.py); decode attention over the
-contiguous cache, attention straight from the paged quantized pool, and quantize-on-write
-(kernels/cpu_attention.c). The files share their structs through kernels/cpu_kernels.h.
+the decode-sized matmul over lowbit's packed int4/int8 layouts and the exact path's weight tiles
+(kernels/cpu_wq_mm.c, with the integer inner loops of kernels/cpu_wq_tiles.c compiled once per
+instruction set); the small per-row ops of a block, its two fused halves, and a whole single-token
+step in one call over either cache (kernels/cpu_block.c, driven by kernels/cpu_block.py); decode
+attention over the contiguous cache, attention straight from the paged quantized pool, and
+quantize-on-write (kernels/cpu_attention.c). The files share their structs through
+kernels/cpu_kernels.h.
 
-Everything but the matmul exists because, once the matmul was in C, a single-token step of the
-default model (2 threads) spent ~24 of its ~38 ms on ~130 small torch ops per layer and their
-Python; docs/perf.md ("Levers pulled", 5-12) has each piece's measured effect.
+Why C, in a package otherwise made of torch and Triton: torch's CPU weight-only kernels take bf16
+activations, cost more with every row (speculative verification and batched decoding feed them 1 + k
+and 16 rows), and read a private packed layout that differs between torch's AVX2 and AVX-512 builds.
+lowbit's kernels read its own layouts (kernels/int4_mm.py, int8_mm.py), round activations to 16-bit
+codes per block of 32 (kernels/act_quant.py: decode within mean KL ~5e-8 of the exact pass) and sum
+each block exactly in integers, so a row's result does not depend on the other rows of a call nor on
+the instruction set (tests/test_cpu_native.py checks both bit for bit). Everything but the matmul
+exists because, once the matmul was in C, a single-token step spent most of its time on ~130 small
+torch ops per layer and their Python; docs/perf.md has each piece's measured effect.
 
-Why C, in a package otherwise made of torch and Triton: torch's fused CPU weight-only kernels
-(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) take bf16 activations and their cost grows
-with every row, which is what speculative verification (1 + k rows) and batched decoding feed them.
-Measured on this project's 2-core AVX2 machine (torch 2.13, 2 threads, warm caches, median of
-5 x 100 calls), torch against C:
+Instruction sets (`ISAS`): AVX2 + FMA + F16C (every x86-64 CPU lowbit runs on), 256-bit VNNI
+(AVX-VNNI, or AVX-512 VL's encoding), AVX-512 VNNI. The build compiles the ones this CPU has and the
+library picks the best at run time; `NativeKernels.with_isa` (and LOWBIT_NATIVE=avx2 | vnni256 |
+avx512) runs another. No -march=native: a file built for AVX2 must not pick up AVX-512.
 
-    1728x576 int4-g32   M = 1: 91 / 83 us    M = 5: 342 / 168 us    M = 8: 335 / 281 us
-    576x1536 int4-g32   M = 1: 83 / 72 us    M = 5: 309 / 143 us
-    49152x576 Q8_0      M = 1: 5.3 / 4.4 ms  M = 5: 22.8 / 11.4 ms  (the default model's LM head)
-
-The C kernel unpacks a group's codes once for all rows (8 rows per pass), computes in fp32 with the
-exact fp16 scales (no bf16 rounding of activations: decoding gets closer to the exact model), and
-reads the weights in the layouts lowbit already holds, so nothing is repacked or copied. Each
-output row's arithmetic is independent of the other rows (tests/test_cpu_native.py checks it bit for
-bit), which speculative decoding needs.
-
-Building: `cc -O3 -march=native -fopenmp -shared` into the user cache directory (platformdirs),
-keyed by the sources, the compiler and the CPU's flags, so a new source or another CPU rebuilds
-(~4 s for the three files on this project's 2-core machine, once). OpenMP: torch's wheel ships `libgomp.so.1` and has loaded it before this
-library is opened, so both share one OpenMP runtime and its thread pool (two runtimes would spin
-against each other on 2 cores).
+Building: `cc -O3 -mavx2 -mfma -mf16c -fopenmp` (plus each instruction set's flags for its copy of
+cpu_wq_tiles.c) into the user cache directory (platformdirs), keyed by the sources, the compiler and
+the CPU's flags, so a new source or another CPU rebuilds (~5 s on this project's 2-core machine,
+once; the copies compile side by side). OpenMP: torch's wheel ships `libgomp.so.1` and has loaded it
+before this library is opened, so both share one OpenMP runtime and its thread pool (two runtimes
+would spin against each other on 2 cores).
 
 Without a C compiler, without AVX2/FMA/F16C, or with LOWBIT_NATIVE=0 (side-by-side benchmarks),
-`native()` returns None and the callers use torch's kernels: the same results to fp32 rounding,
-only slower.
+`native()` returns None and every matmul takes the plain-torch exact path: the reference's numbers,
+much slower (~0.4 s a token on the default model, 2 cores).
 """
 
 from __future__ import annotations

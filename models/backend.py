@@ -1,7 +1,7 @@
 """Which kernels a model runs, chosen once per model from its device (DESIGN.md, Backends).
 
-    torch   CPU: lowbit's C decode kernel or torch's fused int4/int8 weight-only kernels
-            (kernels/int4_mm.py, int8_mm.py choose); the small ops (norm, rotary, SiLU) are
+    torch   CPU: lowbit's C kernels on its own packed int4/int8 layouts, or the plain-torch exact
+            path (kernels/int4_mm.py, int8_mm.py choose); the small ops (norm, rotary, SiLU) are
             lowbit's C row loops where they build (kernels/cpu_block.c, within fp32 rounding of
             the `_ref` specs; rotary exactly), else the plain-torch `_ref` specs in fp32; decode
             steps run each block as two fused C calls around attention (kernels/cpu_block.py).

@@ -73,7 +73,7 @@ def _float_linear(x: torch.Tensor, w: FloatWeight, exact: bool | None) -> torch.
 
 
 def _cpu_pack_embedding(weight: Weight):
-    # int8 tables are kept group-major and serve both the lookup and the tied head; an int4 table
+    # int8 tables are kept in the tile layout and serve both the lookup and the tied head; an int4 table
     # stays in its plain layout for lookups (the head gets a packed copy).
     return int8_pack(weight.qweight, weight.scales, weight.in_features) if isinstance(weight, Int8Weight) else weight
 

@@ -4,12 +4,12 @@ The simple single-sequence loop over the contiguous cache. `lowbit run` uses it 
 greedy replies; everything else goes through the paged engine (runtime/engine.py), until
 speculative decoding moves verification there.
 
-Greedy decoding is *verified*: the fast kernels (on CPU lowbit's fp32 C kernel, or torch's fused
-bf16 kernels where it does not build; on CUDA the Triton kernels with fp16/bf16 activations) draft
+Greedy decoding is *verified*: the fast kernels (on CPU lowbit's C kernels, 16-bit activation
+codes; on CUDA the Triton kernels with fp16/bf16 activations) draft
 VERIFY_BLOCK - 1 tokens one at a time, then one exact fp32 pass over the block checks them (and
 rewrites their cache entries with exact values), keeping the drafts up to the first disagreement
-and the exact model's token there. The reply is therefore the exact model's greedy reply — bf16
-rounding flips near-ties (top-2 logit gaps of 0.003 were seen on the default model), and even fp32
+and the exact model's token there. The reply is therefore the exact model's greedy reply — rounding
+activations flips near-ties (top-2 logit gaps of 0.003 were seen on the default model), and even fp32
 sums in another order can — at about the speed of fast decoding, since nearly every draft is
 accepted.
 """

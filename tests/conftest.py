@@ -155,7 +155,7 @@ def c_kernels():
 @pytest.fixture(params=["c", "torch"])
 def decode_kernel(request, monkeypatch) -> str:
     """Decode-sized CPU matmuls (and the small ops and fused blocks) run lowbit's C kernels
-    (kernels/cpu_native.py) where they build, else torch's fused bf16 kernels and the plain-torch
+    (kernels/cpu_native.py) where they build, else the plain-torch exact path and the plain-torch
     ops: a test taking this fixture runs with each, the second by hiding the first."""
     from lowbit.kernels import cpu_native
 

@@ -47,9 +47,9 @@ class ByteTokenizer:
 @pytest.fixture(scope="module")
 def server():
     model = Llama(CFG, random_weights(CFG, "int4-g32", "int8-g32", seed=0, scale=0.1)).eval()
-    # exact matmuls: the default CPU path picks its kernel by the step's row count (fused bf16 below
-    # 16 rows, exact fp32 from 16), so a reply could depend on what else is in the batch; the tests
-    # compare concurrent replies with solo ones
+    # exact matmuls: the default CPU path picks its kernel per row (prompt rows exact, generated rows
+    # the fast kernel); all exact keeps these server tests independent of that choice, as they compare
+    # concurrent replies with solo ones
     engine = Engine(model, ByteTokenizer(), kv_memory=4 << 20, max_num_seqs=8, exact=True)
     run = engine._run
 

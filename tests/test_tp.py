@@ -104,8 +104,9 @@ class TestTinyTP2:
     def test_speculative_decoding_is_unchanged(self, models):
         tp, one = models
         prompts = [tp.tokenizer.encode("the the the the the the", add_special=False)]
-        # 12 tokens in 7 steps (drafts accepted); measured max 3.8e-7 of the largest logit
-        assert_same_run(tp.model, one.model, tp.tokenizer, prompts, 12, rtol=2e-5,
+        # 12 tokens in 7 steps (drafts accepted); measured max 2.8e-5 of the largest logit (3.8e-7 with
+        # fp32 activations): the bound of the test above, for the same reason (an activation code flips)
+        assert_same_run(tp.model, one.model, tp.tokenizer, prompts, 12, rtol=1e-4,
                         speculative=SpecConfig.parse("ngram,k=3"))
 
 

@@ -1,15 +1,19 @@
-"""The engine's decode step under concurrency, and one lever's effect on it, side by side in one run.
+"""The engine's decode step under concurrency, per instruction set and per lever, side by side in one run.
 
     python tests/bench/engine_step.py [--model PATH] [--streams 16] [--threads 2] [--steps 40]
+                                      [--isas avx2,avx512] [--attention]
 
 N streams (half input-grounded prompts from the shipped WikiText excerpt, half open-ended chat; see
-speculative.py) are prefilled through the engine (k8v4 cache), then decode steps alternate between
-two ways CPU attention reads the paged cache: lowbit's C kernel attending every one-token row
-straight from the quantized pages (kernels/cpu_attention.c, the default where it builds), and the
-plain-torch path it replaced — the step's pages gathered and dequantized together (GATHER_PAGES),
-then SDPA per sequence. Everything else (matmuls, fused blocks, quantize-on-write) is the same C in
-both. Alternating step by step lets both share the machine's noise and the same growing contexts;
-prints the median step time of each and their ratio. Wall clock around engine.step().
+speculative.py) are prefilled through the engine (k8v4 cache), then decode steps cycle through the
+modes compared, one step each, so all share the machine's noise and the same growing contexts
+(on a shared VM, runs of the same command in separate processes differed by up to 30%):
+
+- one mode per instruction set of --isas (default: every one this CPU runs), lowbit's C kernels
+  throughout — the AVX2 row is what an AVX2-only CPU runs, bit for bit the same tokens;
+- with --attention, also the plain-torch paged attention that the C kernel replaced (the step's
+  pages gathered and dequantized together, GATHER_PAGES, then SDPA per sequence), on the best set.
+
+Prints the median step time and tok/s of each mode. Wall clock around engine.step().
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from speculative import OPEN_ENDED, grounded_prompts  # noqa: E402
 
+from decode_prefill import cpu_name  # noqa: E402
+
+from lowbit.kernels import cpu_native  # noqa: E402
 from lowbit.models import attention  # noqa: E402
 from lowbit.runtime.engine import Engine  # noqa: E402
 from lowbit.runtime.loader import load  # noqa: E402
@@ -44,9 +51,18 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model (default: the default model)")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=40, help="decode steps timed, half per mode (default 40)")
+    ap.add_argument("--steps", type=int, default=40, help="decode steps timed, shared by the modes (default 40)")
+    ap.add_argument("--isas", default=None, help="instruction sets to compare (default: all this CPU runs)")
+    ap.add_argument("--attention", action="store_true", help="also time the plain-torch paged attention")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    best = cpu_native.native()
+    if best is None:
+        sys.exit("lowbit's C kernels do not build here: nothing to compare")
+    isas = args.isas.split(",") if args.isas else best.isas
+    modes = [(isa, best.with_isa(isa), True) for isa in isas]  # (label, kernels, C attention)
+    if args.attention:
+        modes.append((f"{best.isa}, gathered + SDPA", best, False))
     lm = load(args.model, progress=False)
     engine = Engine(lm.model, lm.tokenizer, kv_format="k8v4", kv_memory=256 << 20)
     half = args.streams // 2
@@ -57,21 +73,24 @@ def main() -> None:
     sched = engine.scheduler
     while sched.waiting or any(s.num_tokens - s.num_computed > 1 for s in sched.running):
         engine.step()  # prefill every stream first
-    c_kernels, times = attention.cpu_native, {"C from pages": [], "gathered + SDPA": []}
+    ctx = [s.num_tokens for s in sched.running]
+    native, times = cpu_native.native, {label: [] for label, _, _ in modes}
     try:
         for i in range(args.steps):
-            mode = "gathered + SDPA" if i % 2 else "C from pages"
-            attention.cpu_native = _AttentionWithoutC if i % 2 else c_kernels
+            label, kernels, c_attention = modes[i % len(modes)]
+            cpu_native.native = lambda k=kernels: k  # every caller looks the kernels up per call
+            attention.cpu_native = cpu_native if c_attention else _AttentionWithoutC
             t0 = time.perf_counter()
             engine.step()
-            times[mode].append(time.perf_counter() - t0)
+            times[label].append(time.perf_counter() - t0)
     finally:
-        attention.cpu_native = c_kernels
-    med = {m: statistics.median(v) for m, v in times.items()}
-    print(f"{args.streams} streams decoding, {args.threads} threads, {args.steps} steps alternated")
+        cpu_native.native = native
+        attention.cpu_native = cpu_native
+    med = {m: statistics.median(v) for m, v in times.items() if v}
+    print(f"{args.streams} streams decoding (contexts {min(ctx)}-{max(ctx)} tokens at the start), "
+          f"{args.threads} threads, {args.steps} steps cycled over {len(modes)} modes; CPU {cpu_name()}")
     for m, t in med.items():
-        print(f"  attention {m:<16} median step {t * 1e3:7.1f} ms   {args.streams / t:6.1f} tok/s")
-    print(f"  C from pages / gathered + SDPA: {med['gathered + SDPA'] / med['C from pages']:.2f}x")
+        print(f"  {m:<28} median step {t * 1e3:7.1f} ms   {args.streams / t:6.1f} tok/s")
 
 
 if __name__ == "__main__":
