@@ -1,7 +1,8 @@
 """lowbit vs llama.cpp (llama-cpp-python) on one GGUF, one thread count, one run: CPU speed ratios.
 
     python tests/bench/decode_prefill.py [--model PATH] [--threads 2] [--reps 3]
-                                         [--decode-tokens 128] [--text FILE] [--prompt STR] [--json]
+                                         [--decode-tokens 128] [--torch-tokens 16] [--text FILE]
+                                         [--prompt STR] [--json]
 
 Both engines load the same file once (load seconds reported) and run with the same thread count
 (lowbit: torch.set_num_threads; llama.cpp: n_threads = n_threads_batch). Each repetition runs every
@@ -23,7 +24,7 @@ engines' own counters.
   (model(..., exact=False): `lowbit run`'s verified greedy drafts with it).
 - decode, torch only: the contiguous loop with the C kernels hidden, so every matmul takes the
   plain-torch exact path (what runs where no C compiler is found; "ratio" is against llama.cpp as
-  in every row).
+  in every row); --torch-tokens steps (default 16: each dequantizes every weight, ~0.4 s).
 - decode verified greedy: lowbit.runtime.generate.generate(..., temperature 0, verify_greedy=True),
   the exact model's greedy reply drafted by the fused kernels; tok/s = its decode_tok_s (tokens
   after the first / first-to-last seconds; stops early at an end token, tokens reported). Its
@@ -137,6 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--torch-tokens", type=int, default=16, help="decode steps of the torch-only row")
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="prefill text (first 512 tokens used)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="decode prompt")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
         s["prefill_lowbit"].append(PREFILL / timed(lambda: lowbit_prefill(lm, ids)))
         s["decode_engine"].append(lowbit_engine_decode(lm, prompt, n))
         s["decode_lowbit"].append(lowbit_decode(lm, prompt, n))
-        s["decode_lowbit_torch"].append(lowbit_decode_torch_kernels(lm, prompt, n))
+        s["decode_lowbit_torch"].append(lowbit_decode_torch_kernels(lm, prompt, a.torch_tokens))
         tps, got = lowbit_verified(lm, prompt, n)
         s["verified_lowbit"].append(tps)
         verified_tokens.append(got)
