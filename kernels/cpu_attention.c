@@ -100,27 +100,6 @@ static inline __m256 hsum8x8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(ab, ce, 0x20), _mm256_permute2f128_ps(ab, ce, 0x31));
 }
 
-/* exp(x) for 8 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), exp(r) by its degree-6
- * Taylor polynomial (relative error < 3e-8 there), times 2^n through the exponent bits; below -87.3 it
- * is 0 and above 88.7 the largest float. Softmax's exponentials were most of paged attention's time
- * with libm's scalar expf (16 rows x 256 tokens of context: ~37k a layer). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.0f / 720.0f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 120.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 24.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 6.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 /* p[i] = exp(p[i] - mx) for i < n, in place → their sum (8 lanes, then lanes in a fixed tree, then
  * the tail). */
 static inline float exp_sum(float *p, int64_t n, float mx) {

@@ -81,13 +81,28 @@ void lowbit_rotary(float *x, int64_t M, int64_t H, int64_t sm, int64_t sh, int64
     }
 }
 
-static inline float silu_mul1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+/* out[0..n) = silu(g) * u = g / (1 + exp(-g)) * u, 8 at a time (exp8), the tail through the same lanes:
+ * each value's arithmetic is the same wherever it falls, so the fused and the standalone op agree. */
+static inline void silu_mul_n(const float *g, const float *u, int64_t n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8(_mm256_xor_ps(gv, neg));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    if (i < n) {
+        float gt[8] = {0}, ut[8] = {0}, ot[8];
+        for (int64_t k = 0; i + k < n; k++) gt[k] = g[i + k], ut[k] = u[i + k];
+        silu_mul_n(gt, ut, 8, ot);
+        for (int64_t k = 0; i + k < n; k++) out[i + k] = ot[k];
+    }
+}
 
 /* out [M, I] = silu(gate) * up; gate and up rows are sg and su floats apart. */
 void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I, float *out) {
 #pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t i = 0; i < I; i++) out[m * I + i] = silu_mul1(gate[m * sg + i], up[m * su + i]);
+    for (int64_t m = 0; m < M; m++) silu_mul_n(gate + m * sg, up + m * su, I, out + m * I);
 }
 
 /* ---- the fused halves of a block ---- */
@@ -173,7 +188,7 @@ static void block_post_team(const lowbit_ctx *c, const lowbit_block *b, int64_t 
     for (int64_t i = 0; i < M * a.nb; i++) {
         const int64_t m = i / a.nb, k0 = (i % a.nb) * LOWBIT_BLOCK;
         float act[LOWBIT_BLOCK];
-        for (int k = 0; k < LOWBIT_BLOCK; k++) act[k] = silu_mul1(ws->gu[m * 2 * I + k0 + k], ws->gu[m * 2 * I + I + k0 + k]);
+        silu_mul_n(ws->gu + m * 2 * I + k0, ws->gu + m * 2 * I + I + k0, LOWBIT_BLOCK, act);
         lowbit_quantize_block(act, &a, m, i % a.nb);
     }
     lowbit_linear_team(c, &b->down, &a, delta);
