@@ -61,8 +61,8 @@ static inline const uint8_t *lowbit_group_codes(const lowbit_linear *w, const ui
 typedef struct {
     float s;    /* the block's scale */
     float sS;   /* s * (float)S: the int4 min term's factor */
-    int32_t S;  /* sum of the block's codes */
-    int32_t pad;
+    int32_t S8;    /* 8 S, S the sum of the block's codes: the term of symmetric int4's u - 8 */
+    int32_t S128;  /* 128 S: the term of int8's stored q + 128 */
 } lowbit_qblock;
 
 typedef struct {

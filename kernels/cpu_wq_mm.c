@@ -110,7 +110,7 @@ void lowbit_quantize_block(const float *xb, const lowbit_qact *a, int64_t m, int
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     const int32_t S = _mm_cvtsi128_si32(s4);
     const float s = amax / 32512.0f;
-    a->blk[m * a->nb + b] = (lowbit_qblock){s, s * (float)S, S, 0};
+    a->blk[m * a->nb + b] = (lowbit_qblock){s, s * (float)S, 8 * S, 128 * S};
 }
 
 static void quantize_row(const float *x, const lowbit_qact *a, int64_t m) {

@@ -35,10 +35,8 @@
 
 #if LB_ISA == 1
 #define NAME(f) f##_avx2
-#define RMAX_DEFAULT 4
 #elif LB_ISA == 2
 #define NAME(f) f##_vnni256
-#define RMAX_DEFAULT 4
 #if defined(__AVXVNNI__)
 #define DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #else
@@ -46,13 +44,10 @@
 #endif
 #elif LB_ISA == 3
 #define NAME(f) f##_avx512
-#define RMAX_DEFAULT 4
 #else
 #error "compile with -DLB_ISA=1, 2 or 3"
 #endif
-#ifndef RMAX
-#define RMAX RMAX_DEFAULT
-#endif
+#define RMAX 4  /* rows of x per pass */
 
 static inline int32_t load32(const void *p) {
     int32_t v;
@@ -69,15 +64,15 @@ static inline int64_t load64(const void *p) {
 /* Integer adds are associative, so GCC regroups a pass's chains of them: it forms every product of the
  * block first and spills them (llvm-mca: 63 spill moves per block of 4 rows). Passing an accumulator
  * through an empty asm after each step keeps the sums in order and the products in registers. */
-#define KEEP(v) __asm__("" : "+x"(v))
+#define KEEP(v) __asm__("" : "+v"(v))  /* any vector register: all 32 with AVX-512 */
 
-/* Rows m0..m0+mc in passes of at most RMAX (1..4), each pass a compile-time R. */
+/* Rows m0..m0+mc in passes of at most RMAX, each pass a compile-time R. */
 #define ROW_PASSES(F, m0, mc, ...)                                            \
     for (int64_t r0 = (m0); r0 < (m0) + (mc); r0 += RMAX) {                   \
         const int64_t rc = (m0) + (mc) - r0 < RMAX ? (m0) + (mc) - r0 : RMAX; \
-        if (rc >= 4 && RMAX >= 4) F(4 <= RMAX ? 4 : 1, r0, __VA_ARGS__);     \
-        else if (rc == 3 && RMAX >= 3) F(3 <= RMAX ? 3 : 1, r0, __VA_ARGS__); \
-        else if (rc == 2 && RMAX >= 2) F(2 <= RMAX ? 2 : 1, r0, __VA_ARGS__); \
+        if (rc == 4) F(4, r0, __VA_ARGS__);                                   \
+        else if (rc == 3) F(3, r0, __VA_ARGS__);                              \
+        else if (rc == 2) F(2, r0, __VA_ARGS__);                              \
         else F(1, r0, __VA_ARGS__);                                           \
     }
 
@@ -134,7 +129,7 @@ static inline __attribute__((always_inline)) void int4_pass(const int R, int64_t
             for (int r = 0; r < R; r++) {
                 const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];
                 __m512i T = _mm512_add_epi32(_mm512_slli_epi32(th[r], 8), tl[r]);
-                if (P == 1) T = _mm512_sub_epi32(T, _mm512_set1_epi32(8 * q.S));
+                if (P == 1) T = _mm512_sub_epi32(T, _mm512_set1_epi32(q.S8));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(T), _mm512_mul_ps(d, _mm512_set1_ps(q.s))));
                 if (P == 2) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mn, _mm512_set1_ps(q.sS)));
             }
@@ -172,7 +167,7 @@ static inline __attribute__((always_inline)) void int8_pass(const int R, int64_t
             for (int r = 0; r < R; r++) {
                 const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];
                 const __m512i T = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(th[r], 8), tl[r]),
-                                                   _mm512_set1_epi32(128 * q.S));
+                                                   _mm512_set1_epi32(q.S128));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(T), _mm512_mul_ps(d, _mm512_set1_ps(q.s))));
             }
         }
@@ -215,14 +210,42 @@ void NAME(lowbit_int8_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64
 #define MADD4(acc, u, x) DPBUSD256(acc, u, x)
 #endif
 
+/* A block's integer sum T = 256 sum(u h) + sum(u l) of 8 rows from the planes' accumulators. */
+static inline __m256i planes_sum(__m256i th, __m256i tl) {
+#if LB_ISA == 1
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(th, ones), 8), _mm256_madd_epi16(tl, ones));
+#else
+    return _mm256_add_epi32(_mm256_slli_epi32(th, 8), tl);
+#endif
+}
+
+/* The int4 epilogue (the file's comment) for 8 rows: y[0..8) += T's block. */
+static inline void int4_epilogue(float *yo, __m256i T, __m256 d, __m256 mn, int64_t P, lowbit_qblock q) {
+    if (P == 1) T = _mm256_sub_epi32(T, _mm256_set1_epi32(q.S8));
+    __m256 acc = _mm256_add_ps(_mm256_loadu_ps(yo), _mm256_mul_ps(_mm256_cvtepi32_ps(T), _mm256_mul_ps(d, _mm256_set1_ps(q.s))));
+    if (P == 2) acc = _mm256_add_ps(acc, _mm256_mul_ps(mn, _mm256_set1_ps(q.sS)));
+    _mm256_storeu_ps(yo, acc);
+}
+
+/* The int8 epilogue for 8 rows, Tu = sum (q_w + 128) q. */
+static inline void int8_epilogue(float *yo, __m256i Tu, __m256 d, lowbit_qblock q) {
+    const __m256i T = _mm256_sub_epi32(Tu, _mm256_set1_epi32(q.S128));
+    _mm256_storeu_ps(yo, _mm256_add_ps(_mm256_loadu_ps(yo), _mm256_mul_ps(_mm256_cvtepi32_ps(T),
+                                                                          _mm256_mul_ps(d, _mm256_set1_ps(q.s)))));
+}
+
+/* Rows 0-7 of an 8-row half from vpmaddwd's pair sums: lanes [r0 r0 r1 r1 | r2 r2 r3 r3] (ta) and
+ * rows 4-7 alike (tb) — pair sums, then rows in order (AVX2's int8 path). */
+static inline __m256i pairs_sum(__m256i ta, __m256i tb) {
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(ta, tb), 0xD8);
+}
+
 static inline __attribute__((always_inline)) void int4_full(const int R, const int H, int64_t m0,
                                                             const lowbit_linear *w, const lowbit_qact *a,
                                                             const uint8_t *tile, int64_t n0, int half0, float *y) {
     const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P, N = w->N;
     const __m256i low4 = _mm256_set1_epi8(15);
-#if LB_ISA == 1
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
     float *yr = y + m0 * N + n0 + 8 * half0;
     for (int r = 0; r < R; r++)
         for (int h = 0; h < H; h++) _mm256_storeu_ps(yr + r * N + 8 * h, _mm256_setzero_ps());
@@ -262,20 +285,7 @@ static inline __attribute__((always_inline)) void int4_full(const int R, const i
             }
             for (int r = 0; r < R; r++) {
                 const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];
-                for (int h = 0; h < H; h++) {
-#if LB_ISA == 1
-                    __m256i T = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(th[h][r], ones), 8),
-                                                 _mm256_madd_epi16(tl[h][r], ones));
-#else
-                    __m256i T = _mm256_add_epi32(_mm256_slli_epi32(th[h][r], 8), tl[h][r]);
-#endif
-                    if (P == 1) T = _mm256_sub_epi32(T, _mm256_set1_epi32(8 * q.S));
-                    float *yo = yr + r * N + 8 * h;
-                    __m256 acc = _mm256_add_ps(_mm256_loadu_ps(yo), _mm256_mul_ps(_mm256_cvtepi32_ps(T),
-                                                                                  _mm256_mul_ps(d[h], _mm256_set1_ps(q.s))));
-                    if (P == 2) acc = _mm256_add_ps(acc, _mm256_mul_ps(mn[h], _mm256_set1_ps(q.sS)));
-                    _mm256_storeu_ps(yo, acc);
-                }
+                for (int h = 0; h < H; h++) int4_epilogue(yr + r * N + 8 * h, planes_sum(th[h][r], tl[h][r]), d[h], mn[h], P, q);
             }
         }
     }
@@ -336,18 +346,12 @@ static inline __attribute__((always_inline)) void int8_full(const int R, const i
             }
             for (int r = 0; r < R; r++) {
                 const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];
-                for (int h = 0; h < H; h++) {
+                for (int h = 0; h < H; h++)
 #if LB_ISA == 1
-                    /* lanes [r0 r0 r1 r1 | r2 r2 r3 r3] and rows 4-7 alike: pair sums, then rows in order */
-                    const __m256i Tu = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ta[h][r], tb[h][r]), 0xD8);
+                    int8_epilogue(yr + r * N + 8 * h, pairs_sum(ta[h][r], tb[h][r]), d[h], q);
 #else
-                    const __m256i Tu = _mm256_add_epi32(_mm256_slli_epi32(ta[h][r], 8), tb[h][r]);
+                    int8_epilogue(yr + r * N + 8 * h, planes_sum(ta[h][r], tb[h][r]), d[h], q);
 #endif
-                    const __m256i T = _mm256_sub_epi32(Tu, _mm256_set1_epi32(128 * q.S));
-                    float *yo = yr + r * N + 8 * h;
-                    _mm256_storeu_ps(yo, _mm256_add_ps(_mm256_loadu_ps(yo), _mm256_mul_ps(_mm256_cvtepi32_ps(T),
-                                                                          _mm256_mul_ps(d[h], _mm256_set1_ps(q.s)))));
-                }
             }
         }
     }
@@ -358,9 +362,6 @@ static inline __attribute__((always_inline)) void int4_half(const int R, int64_t
                                                             int half, float *y) {
     const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P, N = w->N;
     const __m256i low4 = _mm256_set1_epi8(15);
-#if LB_ISA == 1
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
     float *yr = y + m0 * N + n0 + 8 * half;
     for (int r = 0; r < R; r++) _mm256_storeu_ps(yr + r * N, _mm256_setzero_ps());
     const int64_t ps = lowbit_pair_shift(w), cb = lowbit_code_bytes(w);
@@ -395,20 +396,8 @@ static inline __attribute__((always_inline)) void int4_half(const int R, int64_t
 #endif
                 }
             }
-            for (int r = 0; r < R; r++) {
-                const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];
-#if LB_ISA == 1
-                __m256i T = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(th[r], ones), 8),
-                                             _mm256_madd_epi16(tl[r], ones));
-#else
-                __m256i T = _mm256_add_epi32(_mm256_slli_epi32(th[r], 8), tl[r]);
-#endif
-                if (P == 1) T = _mm256_sub_epi32(T, _mm256_set1_epi32(8 * q.S));
-                __m256 acc = _mm256_add_ps(_mm256_loadu_ps(yr + r * N),
-                                           _mm256_mul_ps(_mm256_cvtepi32_ps(T), _mm256_mul_ps(d, _mm256_set1_ps(q.s))));
-                if (P == 2) acc = _mm256_add_ps(acc, _mm256_mul_ps(mn, _mm256_set1_ps(q.sS)));
-                _mm256_storeu_ps(yr + r * N, acc);
-            }
+            for (int r = 0; r < R; r++)
+                int4_epilogue(yr + r * N, planes_sum(th[r], tl[r]), d, mn, P, a->blk[(m0 + r) * a->nb + b]);
         }
     }
 }
@@ -453,19 +442,12 @@ static inline __attribute__((always_inline)) void int8_half(const int R, int64_t
                 }
 #endif
             }
-            for (int r = 0; r < R; r++) {
-                const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];
+            for (int r = 0; r < R; r++)
 #if LB_ISA == 1
-                /* lanes [r0 r0 r1 r1 | r2 r2 r3 r3] and rows 4-7 alike: pair sums, then rows in order */
-                const __m256i Tu = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ta[r], tb[r]), 0xD8);
+                int8_epilogue(yr + r * N, pairs_sum(ta[r], tb[r]), d, a->blk[(m0 + r) * a->nb + b]);
 #else
-                const __m256i Tu = _mm256_add_epi32(_mm256_slli_epi32(ta[r], 8), tb[r]);
+                int8_epilogue(yr + r * N, planes_sum(ta[r], tb[r]), d, a->blk[(m0 + r) * a->nb + b]);
 #endif
-                const __m256i T = _mm256_sub_epi32(Tu, _mm256_set1_epi32(128 * q.S));
-                _mm256_storeu_ps(yr + r * N, _mm256_add_ps(_mm256_loadu_ps(yr + r * N),
-                                                           _mm256_mul_ps(_mm256_cvtepi32_ps(T),
-                                                                         _mm256_mul_ps(d, _mm256_set1_ps(q.s)))));
-            }
         }
     }
 }

@@ -198,9 +198,9 @@ class PagedAttention:
                 n, ctx = b.query_lens[i], b.context_lens[i]
                 if one_by_one[i]:
                     # SDPA's CPU kernels (and the GEMMs of the rotation) differ in the last bits between
-                    # 1 and n queries, and the bf16 decode kernels downstream can turn that into another
-                    # greedy token (measured on the default model): so each query sees exactly a decode
-                    # step's inputs
+                    # 1 and n queries, and the rounding of the decode kernels downstream can turn that into
+                    # another greedy token (measured on the default model): so each query sees exactly a
+                    # decode step's inputs
                     for j in range(n):
                         c = ctx - n + j + 1  # keys up to and including this token
                         out[row + j] = self._attend(q[row + j:row + j + 1], keys[:, :c], values[:, :c],

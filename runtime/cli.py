@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     run.add_argument("--fast-greedy", action="store_true",
-                     help="with --temperature 0, skip the exact verification of greedy tokens (faster; bf16 "
-                          "rounding may then pick the other token of a near-tie)")
+                     help="with --temperature 0, skip the exact verification of greedy tokens (faster; the fast "
+                          "kernels' rounding may then pick the other token of a near-tie)")
     run.add_argument("--kv-cache", default="k8v4", choices=("f16", "k8v8", "k8v4", "k4v4"),
                      help="KV cache format of the paged engine (default k8v4: 8-bit keys, 4-bit values)")
     run.add_argument("--kv-memory", default="256MiB",
