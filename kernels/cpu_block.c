@@ -131,6 +131,13 @@ static void block_ws_init(block_ws *ws, void *mem, const lowbit_block *b, int64_
     ws->M = M;
 }
 
+/* A workspace of its own for one call: the memory to free, NULL where malloc failed. */
+static void *block_ws_new(block_ws *ws, const lowbit_block *b, int64_t M) {
+    void *mem = malloc(block_ws_bytes(b, M));
+    if (mem) block_ws_init(ws, mem, b, M);
+    return mem;
+}
+
 static lowbit_qact qact_for(const block_ws *ws, int64_t K) {
     lowbit_qact a;
     lowbit_qact_init(&a, ws->qmem, ws->M, K);
@@ -200,10 +207,9 @@ static void block_post_team(const lowbit_ctx *c, const lowbit_block *b, int64_t 
 int lowbit_block_pre(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *delta, float *residual,
                      int has_res, const float *cos, const float *sin, float *qkv) {
     if (M < 1 || block_check(c, b)) return -1;
-    void *mem = malloc(block_ws_bytes(b, M));
-    if (!mem) return -2;
     block_ws ws;
-    block_ws_init(&ws, mem, b, M);
+    void *mem = block_ws_new(&ws, b, M);
+    if (!mem) return -2;
 #pragma omp parallel num_threads((int)c->nthreads)
     block_pre_team(c, b, M, delta, residual, has_res, cos, sin, qkv, &ws);
     free(mem);
@@ -214,10 +220,9 @@ int lowbit_block_pre(const lowbit_ctx *c, const lowbit_block *b, int64_t M, cons
 int lowbit_block_post(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *attn, float *residual,
                       float *delta) {
     if (M < 1 || block_check(c, b)) return -1;
-    void *mem = malloc(block_ws_bytes(b, M));
-    if (!mem) return -2;
     block_ws ws;
-    block_ws_init(&ws, mem, b, M);
+    void *mem = block_ws_new(&ws, b, M);
+    if (!mem) return -2;
 #pragma omp parallel num_threads((int)c->nthreads)
     block_post_team(c, b, M, attn, residual, delta, &ws);
     free(mem);

@@ -235,39 +235,41 @@ int lowbit_int4_dequant_t(const lowbit_linear *w, float *out, int nthreads) {
     return 0;
 }
 
-/* int8 (kind 2) → rows n0..n1-1 of W, fp32 [n1 - n0, K] row-major: w = (u - 128) * d (= q * d, as the
- * spec). Tiles are shared out over the threads. */
+/* Row r of a tile's int8 group g → fp32 o[0..group): w = (u - 128) * d (= q * d, as the spec). */
+static inline void int8_group_row(const lowbit_linear *w, const uint8_t *tile, int64_t g, int64_t r, float *o) {
+    const uint8_t *unit = lowbit_group_scales(w, tile, g), *codes = lowbit_group_codes(w, tile, g);
+    float dr;
+    if (w->P == 2) {
+        uint16_t h;
+        memcpy(&h, unit + 2 * r, 2);
+        dr = _cvtsh_ss(h);
+    } else {
+        memcpy(&dr, unit + 4 * r, 4);
+    }
+    const __m128 d = _mm_set1_ps(dr);
+    const __m128i off = _mm_set1_epi32(128);
+    for (int64_t c = 0; c < w->group / 4; c++) {  /* chunk c of 64 B: k = 4c .. 4c + 3 */
+        int32_t quad;
+        memcpy(&quad, codes + 64 * c + 4 * r, 4);
+        const __m128i u = _mm_sub_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(quad)), off);
+        _mm_storeu_ps(o + 4 * c, _mm_mul_ps(_mm_cvtepi32_ps(u), d));
+    }
+}
+
+/* int8 (kind 2) → rows n0..n1-1 of W, fp32 [n1 - n0, K] row-major. Tiles are shared out over the
+ * threads. */
 int lowbit_int8_dequant(const lowbit_linear *w, int64_t n0, int64_t n1, float *out, int nthreads) {
     if (w->kind != 2 || lowbit_linear_check(w, LOWBIT_ISA_AVX2) || n0 < 0 || n1 > w->N || n0 > n1) return -1;
-    const int64_t K = w->K, gs = w->group, P = w->P, G = K / gs, tb = lowbit_tile_bytes(w);
+    const int64_t K = w->K, gs = w->group, G = K / gs, tb = lowbit_tile_bytes(w);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t t = n0 / LOWBIT_TILE; t < (n1 + LOWBIT_TILE - 1) / LOWBIT_TILE; t++) {
-        const __m128i off = _mm_set1_epi32(128);
-        for (int64_t g = 0; g < G; g++) {
-            const uint8_t *unit = lowbit_group_scales(w, w->data + t * tb, g), *codes = lowbit_group_codes(w, w->data + t * tb, g);
-            for (int r = 0; r < LOWBIT_TILE; r++) {
+    for (int64_t t = n0 / LOWBIT_TILE; t < (n1 + LOWBIT_TILE - 1) / LOWBIT_TILE; t++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t r = 0; r < LOWBIT_TILE; r++) {
                 const int64_t n = t * LOWBIT_TILE + r;
                 if (n < n0) continue;
                 if (n >= n1) break;
-                float dr;
-                if (P == 2) {
-                    uint16_t h;
-                    memcpy(&h, unit + 2 * r, 2);
-                    dr = _cvtsh_ss(h);
-                } else {
-                    memcpy(&dr, unit + 4 * r, 4);
-                }
-                const __m128 d = _mm_set1_ps(dr);
-                float *o = out + (n - n0) * K + g * gs;
-                for (int64_t c = 0; c < gs / 4; c++) {  /* chunk c of 64 B: k = 4c .. 4c + 3 */
-                    int32_t quad;
-                    memcpy(&quad, codes + 64 * c + 4 * r, 4);
-                    const __m128i u = _mm_sub_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(quad)), off);
-                    _mm_storeu_ps(o + 4 * c, _mm_mul_ps(_mm_cvtepi32_ps(u), d));
-                }
+                int8_group_row(w, w->data + t * tb, g, r, out + (n - n0) * K + g * gs);
             }
-        }
-    }
     return 0;
 }
 
@@ -275,29 +277,11 @@ int lowbit_int8_dequant(const lowbit_linear *w, int64_t n0, int64_t n1, float *o
  * same products as lowbit_int8_dequant. Serial: a decode step looks up one row per sequence. */
 int lowbit_int8_rows(const lowbit_linear *w, const int64_t *ids, int64_t n, float *out) {
     if (w->kind != 2 || lowbit_linear_check(w, LOWBIT_ISA_AVX2)) return -1;
-    const int64_t K = w->K, gs = w->group, P = w->P, G = K / gs, tb = lowbit_tile_bytes(w);
-    const __m128i off = _mm_set1_epi32(128);
+    const int64_t K = w->K, gs = w->group, G = K / gs, tb = lowbit_tile_bytes(w);
     for (int64_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= w->N) return -1;
         const int64_t t = ids[i] / LOWBIT_TILE, r = ids[i] % LOWBIT_TILE;
-        for (int64_t g = 0; g < G; g++) {
-            const uint8_t *unit = lowbit_group_scales(w, w->data + t * tb, g), *codes = lowbit_group_codes(w, w->data + t * tb, g);
-            float dr;
-            if (P == 2) {
-                uint16_t h;
-                memcpy(&h, unit + 2 * r, 2);
-                dr = _cvtsh_ss(h);
-            } else {
-                memcpy(&dr, unit + 4 * r, 4);
-            }
-            const __m128 d = _mm_set1_ps(dr);
-            for (int64_t c = 0; c < gs / 4; c++) {
-                int32_t quad;
-                memcpy(&quad, codes + 64 * c + 4 * r, 4);
-                const __m128i u = _mm_sub_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(quad)), off);
-                _mm_storeu_ps(out + i * K + g * gs + 4 * c, _mm_mul_ps(_mm_cvtepi32_ps(u), d));
-            }
-        }
+        for (int64_t g = 0; g < G; g++) int8_group_row(w, w->data + t * tb, g, r, out + i * K + g * gs);
     }
     return 0;
 }

@@ -175,26 +175,19 @@ static inline __attribute__((always_inline)) void int8_pass(const int R, int64_t
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * w->N + n0, acc[r]);
 }
 
-#define INT4_PASS(R, r0, w, a, tile, n0, y) int4_pass(R, r0, w, a, tile, n0, y)
-#define INT8_PASS(R, r0, w, a, tile, n0, y) int8_pass(R, r0, w, a, tile, n0, y)
-
-void NAME(lowbit_int4_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, int64_t t0,
-                             int64_t t1, float *y) {
-    const int64_t tile_bytes = lowbit_tile_bytes(w);
-    for (int64_t t = t0; t < t1; t++) {
-        const uint8_t *tile = w->data + t * tile_bytes;
-        ROW_PASSES(INT4_PASS, m0, mc, w, a, tile, t * LOWBIT_TILE, y)
+/* The entry for one kind (int4, int8): rows m0..m0+mc against tiles t0..t1-1, a tile's rows in passes. */
+#define TILES_ENTRY(kind)                                                                                 \
+    void NAME(lowbit_##kind##_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, \
+                                     int64_t t0, int64_t t1, float *y) {                                  \
+        const int64_t tile_bytes = lowbit_tile_bytes(w);                                                  \
+        for (int64_t t = t0; t < t1; t++) {                                                               \
+            const uint8_t *tile = w->data + t * tile_bytes;                                               \
+            ROW_PASSES(kind##_pass, m0, mc, w, a, tile, t * LOWBIT_TILE, y)                               \
+        }                                                                                                 \
     }
-}
 
-void NAME(lowbit_int8_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, int64_t t0,
-                             int64_t t1, float *y) {
-    const int64_t tile_bytes = lowbit_tile_bytes(w);
-    for (int64_t t = t0; t < t1; t++) {
-        const uint8_t *tile = w->data + t * tile_bytes;
-        ROW_PASSES(INT8_PASS, m0, mc, w, a, tile, t * LOWBIT_TILE, y)
-    }
-}
+TILES_ENTRY(int4)
+TILES_ENTRY(int8)
 
 #else
 /* ---- 256 bits: a tile as two halves of 8 rows, fp32 sums in y ---- */
@@ -452,54 +445,35 @@ static inline __attribute__((always_inline)) void int8_half(const int R, int64_t
     }
 }
 
-#define INT4_PASS(R, r0, w, a, tile, n0, half, y) int4_half(R, r0, w, a, tile, n0, half, y)
-#define INT8_PASS(R, r0, w, a, tile, n0, half, y) int8_half(R, r0, w, a, tile, n0, half, y)
+/* The entry for one kind (int4, int8). One or two rows run whole tiles in a function of their own, so
+ * that the half passes compile as they do alone (inlined into the same function they ran 12% slower at
+ * 4 and 16 rows); more rows run each tile's halves in passes. */
+#define TILES_ENTRY(kind)                                                                                 \
+    static __attribute__((noinline)) void kind##_full_tiles(const lowbit_linear *w, const lowbit_qact *a,  \
+                                                            int64_t m0, int64_t mc, int64_t t0, int64_t t1, \
+                                                            float *y) {                                   \
+        const int64_t tile_bytes = lowbit_tile_bytes(w);                                                  \
+        for (int64_t t = t0; t < t1; t++) {                                                               \
+            const uint8_t *tile = w->data + t * tile_bytes;                                               \
+            if (mc == 2) kind##_full(2, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y);                        \
+            else kind##_full(1, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y);                                \
+        }                                                                                                 \
+    }                                                                                                     \
+                                                                                                          \
+    void NAME(lowbit_##kind##_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, \
+                                     int64_t t0, int64_t t1, float *y) {                                  \
+        if (mc <= 2) {                                                                                    \
+            kind##_full_tiles(w, a, m0, mc, t0, t1, y);                                                   \
+            return;                                                                                       \
+        }                                                                                                 \
+        const int64_t tile_bytes = lowbit_tile_bytes(w);                                                  \
+        for (int64_t t = t0; t < t1; t++) {                                                               \
+            const uint8_t *tile = w->data + t * tile_bytes;                                               \
+            for (int half = 0; half < 2; half++)                                                          \
+                ROW_PASSES(kind##_half, m0, mc, w, a, tile, t * LOWBIT_TILE, half, y)                     \
+        }                                                                                                 \
+    }
 
-/* One or two rows over whole tiles; in functions of their own, so that the half passes compile as
- * they do alone (inlined into the same function they ran 12% slower at 4 and 16 rows). */
-static __attribute__((noinline)) void int4_full_tiles(const lowbit_linear *w, const lowbit_qact *a, int64_t m0,
-                                                      int64_t mc, int64_t t0, int64_t t1, float *y) {
-    const int64_t tile_bytes = lowbit_tile_bytes(w);
-    for (int64_t t = t0; t < t1; t++) {
-        const uint8_t *tile = w->data + t * tile_bytes;
-        if (mc == 2) int4_full(2, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y);
-        else int4_full(1, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y);
-    }
-}
-
-static __attribute__((noinline)) void int8_full_tiles(const lowbit_linear *w, const lowbit_qact *a, int64_t m0,
-                                                      int64_t mc, int64_t t0, int64_t t1, float *y) {
-    const int64_t tile_bytes = lowbit_tile_bytes(w);
-    for (int64_t t = t0; t < t1; t++) {
-        const uint8_t *tile = w->data + t * tile_bytes;
-        if (mc == 2) int8_full(2, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y);
-        else int8_full(1, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y);
-    }
-}
-
-void NAME(lowbit_int4_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, int64_t t0,
-                             int64_t t1, float *y) {
-    if (mc <= 2) {
-        int4_full_tiles(w, a, m0, mc, t0, t1, y);
-        return;
-    }
-    const int64_t tile_bytes = lowbit_tile_bytes(w);
-    for (int64_t t = t0; t < t1; t++) {
-        const uint8_t *tile = w->data + t * tile_bytes;
-        for (int half = 0; half < 2; half++) ROW_PASSES(INT4_PASS, m0, mc, w, a, tile, t * LOWBIT_TILE, half, y)
-    }
-}
-
-void NAME(lowbit_int8_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, int64_t t0,
-                             int64_t t1, float *y) {
-    if (mc <= 2) {
-        int8_full_tiles(w, a, m0, mc, t0, t1, y);
-        return;
-    }
-    const int64_t tile_bytes = lowbit_tile_bytes(w);
-    for (int64_t t = t0; t < t1; t++) {
-        const uint8_t *tile = w->data + t * tile_bytes;
-        for (int half = 0; half < 2; half++) ROW_PASSES(INT8_PASS, m0, mc, w, a, tile, t * LOWBIT_TILE, half, y)
-    }
-}
+TILES_ENTRY(int4)
+TILES_ENTRY(int8)
 #endif

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from lowbit.kernels import cpu_native
 from lowbit.kernels.act_quant import BLOCK, act_quant_ref
 from lowbit.kernels.exact_mm import exact_mm
-from lowbit.kernels.tile_layout import TILE, pack_tiles, unpack_tiles
+from lowbit.kernels.tile_layout import TILE, pack_tiles, padded_input, unpack_tiles
 
 EXACT_MIN_ROWS = 16
 
@@ -118,14 +118,8 @@ def dequantize_packed_t(w: Int4Packed) -> torch.Tensor:
 def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.Tensor:
     """x [M, K] (any float dtype) → y fp32 [M, N]: exact when `exact` (default: M >= EXACT_MIN_ROWS)
     or where the C kernels are not built, else the C kernel's integer path."""
-    if x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"int4_mm: x has shape {tuple(x.shape)}, expected [M, {w.in_features}]")
-    if x.device.type != "cpu":
-        raise NotImplementedError("int4_mm: only the CPU path exists yet")
     Np, Kp = w.padded_shape
-    x = x.float()
-    if Kp != w.in_features:
-        x = F.pad(x, (0, Kp - w.in_features))
+    x = padded_input("int4_mm", x, w.in_features, Kp)
     kernels = cpu_native.native()
     if kernels is None or (exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS) or x.shape[0] == 0:
         y = exact_mm(x, dequantize_packed_t(w))

@@ -29,7 +29,7 @@ from lowbit.kernels import cpu_native
 from lowbit.kernels.act_quant import BLOCK, act_quant_ref
 from lowbit.kernels.exact_mm import exact_linear
 from lowbit.kernels.int4_mm import EXACT_MIN_ROWS
-from lowbit.kernels.tile_layout import TILE, pack_tiles, unpack_tiles
+from lowbit.kernels.tile_layout import TILE, pack_tiles, padded_input, unpack_tiles
 
 _TILE_ELEMS = 1 << 22  # exact path: dequantize ~4M weights (16 MB fp32) at a time
 
@@ -110,14 +110,8 @@ def int8_pack(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> 
 def int8_mm(x: torch.Tensor, w: Int8Packed, exact: bool | None = None) -> torch.Tensor:
     """x [M, K] → y fp32 [M, N]: exact when `exact` (default: M >= EXACT_MIN_ROWS) or where the C
     kernels are not built, else the C kernel's integer path."""
-    if x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"int8_mm: x has shape {tuple(x.shape)}, expected [M, {w.in_features}]")
-    if x.device.type != "cpu":
-        raise NotImplementedError("int8_mm: only the CPU path exists yet")
     Np, Kp = w.padded_shape
-    x = x.float()
-    if Kp != w.in_features:
-        x = F.pad(x, (0, Kp - w.in_features))
+    x = padded_input("int8_mm", x, w.in_features, Kp)
     kernels = cpu_native.native()
     if kernels is None or (exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS) or x.shape[0] == 0:
         step = max(TILE, _TILE_ELEMS // Kp // TILE * TILE)

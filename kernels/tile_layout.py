@@ -19,6 +19,7 @@ streamed 27.3 GB/s, against 32.4 GB/s for 320-byte units (Q4_1).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 TILE = 16  # output rows per tile
 
@@ -59,3 +60,14 @@ def unpack_tiles(data: torch.Tensor, G: int, sb: int, cb: int) -> tuple[torch.Te
         scales = torch.cat([scales, last[:, None, :sb]], dim=1)
         codes = torch.cat([codes, last[:, None, 64:]], dim=1)
     return scales, codes
+
+
+def padded_input(op: str, x: torch.Tensor, in_features: int, Kp: int) -> torch.Tensor:
+    """x [M, in_features] on the CPU → fp32 [M, Kp]: a weight of these layouts is padded to Kp (a
+    whole group), and zeros past in_features keep its padding out of the sums."""
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"{op}: x has shape {tuple(x.shape)}, expected [M, {in_features}]")
+    if x.device.type != "cpu":
+        raise NotImplementedError(f"{op}: only the CPU path exists yet")
+    x = x.float()
+    return F.pad(x, (0, Kp - in_features)) if Kp != in_features else x
