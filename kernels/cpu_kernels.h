@@ -56,6 +56,26 @@ static inline const uint8_t *lowbit_group_codes(const lowbit_linear *w, const ui
     return tile + (gi >> s) * (64 + (cb << s)) + 64 + (gi & s) * cb;
 }
 
+/* The groups of a tile in order, as the kernels walk them: the same addresses as lowbit_group_scales
+ * and lowbit_group_codes without their multiplies (a unit's start moves on after its last group). */
+typedef struct {
+    const uint8_t *unit;  /* the unit holding the current group */
+    int64_t ps, cb;       /* lowbit_pair_shift, lowbit_code_bytes */
+} lowbit_group_walk;
+
+static inline lowbit_group_walk lowbit_walk(const lowbit_linear *w, const uint8_t *tile) {
+    return (lowbit_group_walk){tile, lowbit_pair_shift(w), lowbit_code_bytes(w)};
+}
+static inline const uint8_t *lowbit_walk_scales(const lowbit_group_walk *k, int64_t gi) {
+    return k->unit + (gi & k->ps) * 32;
+}
+static inline const uint8_t *lowbit_walk_codes(const lowbit_group_walk *k, int64_t gi) {
+    return k->unit + 64 + (gi & k->ps) * k->cb;
+}
+static inline void lowbit_walk_next(lowbit_group_walk *k, int64_t gi) {  /* after group gi */
+    k->unit += (gi & k->ps) == k->ps ? 64 + (k->cb << k->ps) : 0;
+}
+
 /* Activations as the integer kernels read them (kernels/act_quant.py is the spec): per row, per
  * block of 32, s = amax / 32512 and q = round(x * 32512 / amax), split into planes q = 256 h + l. */
 typedef struct {

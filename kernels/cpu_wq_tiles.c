@@ -103,10 +103,9 @@ static inline __attribute__((always_inline)) void int4_pass(const int R, int64_t
     const __m512i low4 = _mm512_set1_epi8(15);
     __m512 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t ps = lowbit_pair_shift(w), cb = lowbit_code_bytes(w);
-    const uint8_t *base = tile;  /* the unit of group gi (lowbit_group_scales, without its multiplies) */
-    for (int64_t gi = 0; gi < G; base += (gi & ps) == ps ? 64 + (cb << ps) : 0, gi++) {
-        const uint8_t *unit = base + (gi & ps) * 32, *codes = base + 64 + (gi & ps) * cb;
+    lowbit_group_walk walk = lowbit_walk(w, tile);
+    for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
+        const uint8_t *unit = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)unit));
         const __m512 mn = P == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + 32))) : d;
         for (int64_t bb = 0; bb < nbg; bb++) {
@@ -144,10 +143,9 @@ static inline __attribute__((always_inline)) void int8_pass(const int R, int64_t
     const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P;
     __m512 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t ps = lowbit_pair_shift(w), cb = lowbit_code_bytes(w);
-    const uint8_t *base = tile;  /* the unit of group gi (lowbit_group_scales, without its multiplies) */
-    for (int64_t gi = 0; gi < G; base += (gi & ps) == ps ? 64 + (cb << ps) : 0, gi++) {
-        const uint8_t *unit = base + (gi & ps) * 32, *codes = base + 64 + (gi & ps) * cb;
+    lowbit_group_walk walk = lowbit_walk(w, tile);
+    for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
+        const uint8_t *unit = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi);
         const __m512 d = P == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)unit))
                                 : _mm512_loadu_ps((const float *)unit);
         for (int64_t bb = 0; bb < nbg; bb++) {
@@ -242,10 +240,9 @@ static inline __attribute__((always_inline)) void int4_full(const int R, const i
     float *yr = y + m0 * N + n0 + 8 * half0;
     for (int r = 0; r < R; r++)
         for (int h = 0; h < H; h++) _mm256_storeu_ps(yr + r * N + 8 * h, _mm256_setzero_ps());
-    const int64_t ps = lowbit_pair_shift(w), cb = lowbit_code_bytes(w);
-    const uint8_t *base = tile;  /* the unit of group gi (lowbit_group_scales, without its multiplies) */
-    for (int64_t gi = 0; gi < G; base += (gi & ps) == ps ? 64 + (cb << ps) : 0, gi++) {
-        const uint8_t *unit = base + (gi & ps) * 32, *codes = base + 64 + (gi & ps) * cb + 32 * half0;
+    lowbit_group_walk walk = lowbit_walk(w, tile);
+    for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
+        const uint8_t *unit = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi) + 32 * half0;
         __m256 d[2], mn[2];
         for (int h = 0; h < H; h++) {
             d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 16 * (half0 + h))));
@@ -291,10 +288,9 @@ static inline __attribute__((always_inline)) void int8_full(const int R, const i
     float *yr = y + m0 * N + n0 + 8 * half0;
     for (int r = 0; r < R; r++)
         for (int h = 0; h < H; h++) _mm256_storeu_ps(yr + r * N + 8 * h, _mm256_setzero_ps());
-    const int64_t ps = lowbit_pair_shift(w), cb = lowbit_code_bytes(w);
-    const uint8_t *base = tile;  /* the unit of group gi (lowbit_group_scales, without its multiplies) */
-    for (int64_t gi = 0; gi < G; base += (gi & ps) == ps ? 64 + (cb << ps) : 0, gi++) {
-        const uint8_t *unit = base + (gi & ps) * 32, *codes = base + 64 + (gi & ps) * cb + 32 * half0;
+    lowbit_group_walk walk = lowbit_walk(w, tile);
+    for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
+        const uint8_t *unit = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi) + 32 * half0;
         __m256 d[2];
         for (int h = 0; h < H; h++)
             d[h] = P == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 16 * (half0 + h))))
@@ -357,10 +353,9 @@ static inline __attribute__((always_inline)) void int4_half(const int R, int64_t
     const __m256i low4 = _mm256_set1_epi8(15);
     float *yr = y + m0 * N + n0 + 8 * half;
     for (int r = 0; r < R; r++) _mm256_storeu_ps(yr + r * N, _mm256_setzero_ps());
-    const int64_t ps = lowbit_pair_shift(w), cb = lowbit_code_bytes(w);
-    const uint8_t *base = tile;  /* the unit of group gi (lowbit_group_scales, without its multiplies) */
-    for (int64_t gi = 0; gi < G; base += (gi & ps) == ps ? 64 + (cb << ps) : 0, gi++) {
-        const uint8_t *unit = base + (gi & ps) * 32, *codes = base + 64 + (gi & ps) * cb + 32 * half;
+    lowbit_group_walk walk = lowbit_walk(w, tile);
+    for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
+        const uint8_t *unit = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi) + 32 * half;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 16 * half)));
         const __m256 mn = P == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 32 + 16 * half))) : d;
         for (int64_t bb = 0; bb < nbg; bb++) {
@@ -401,10 +396,9 @@ static inline __attribute__((always_inline)) void int8_half(const int R, int64_t
     const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P, N = w->N;
     float *yr = y + m0 * N + n0 + 8 * half;
     for (int r = 0; r < R; r++) _mm256_storeu_ps(yr + r * N, _mm256_setzero_ps());
-    const int64_t ps = lowbit_pair_shift(w), cb = lowbit_code_bytes(w);
-    const uint8_t *base = tile;  /* the unit of group gi (lowbit_group_scales, without its multiplies) */
-    for (int64_t gi = 0; gi < G; base += (gi & ps) == ps ? 64 + (cb << ps) : 0, gi++) {
-        const uint8_t *unit = base + (gi & ps) * 32, *codes = base + 64 + (gi & ps) * cb + 32 * half;
+    lowbit_group_walk walk = lowbit_walk(w, tile);
+    for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
+        const uint8_t *unit = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi) + 32 * half;
         const __m256 d = P == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 16 * half)))
                                 : _mm256_loadu_ps((const float *)unit + 8 * half);
         for (int64_t bb = 0; bb < nbg; bb++) {
