@@ -178,6 +178,27 @@ static void rotate(const float *x, const float *signs, int64_t D, int transposed
     for (int64_t i = 0; i < D; i++) y[i] = transposed ? y[i] * scale * signs[i] : y[i] * scale;
 }
 
+/* Into L1 ahead of use: the cache lines of [p, p + bytes). */
+static inline void prefetch_range(const void *p, int64_t bytes) {
+    const uintptr_t a = (uintptr_t)p & ~(uintptr_t)63, e = (uintptr_t)p + (uintptr_t)bytes;
+    for (uintptr_t l = a; l < e; l += 64) _mm_prefetch((const char *)l, _MM_HINT_T0);
+}
+
+/* Tokens t..t+n-1 of one KV head, all in one page (their index `t` is page-major, so they are
+ * adjacent): codes, scales and mins. */
+static inline void kv_prefetch(const lowbit_kv_side *s, int64_t t, int64_t n, int64_t D) {
+    const int64_t bytes = s->bits * D / 8, G = s->bits == 16 ? 0 : D / s->group;
+    prefetch_range((const char *)s->codes + t * bytes, n * bytes);
+    if (G) prefetch_range(s->scales + t * G, 2 * n * G);
+    if (G && s->bits == 4) prefetch_range(s->mins + t * G, 2 * n * G);
+}
+
+/* Tokens a chunk's score loop asks for ahead of the one it reads (keys and values, page by page). A
+ * page holds one KV head's vectors of page_size tokens together, then the other heads': runs of 1 KB
+ * (k8, 16 tokens of 64) that the hardware prefetchers hardly start on, so without this the loop waited
+ * on memory (perf: most of its samples on the loads of codes and scales). */
+#define KV_AHEAD 32
+
 /* Decode attention straight from the paged, quantized pool: R query rows, each one token of its
  * sequence seeing the first ctx[r] >= 1 tokens of it (its own included; the last `window` if window > 0).
  *
@@ -255,8 +276,15 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
         }
         const int64_t *table = tables + toff[r];
 #define KV_INDEX(t) ((table[(t) / page_size] * Hkv + kvh) * page_size + (t) % page_size)
+        int64_t ahead = first;  /* the first token not yet asked for */
         for (int64_t t0 = first; t0 <= last; t0 += 8) {  /* scores, 8 tokens at a time: per group d (q . c) + m sum q */
             const int64_t nt = last - t0 + 1 < 8 ? last - t0 + 1 : 8;
+            for (; ahead <= last && ahead < t0 + KV_AHEAD; ) {  /* the rest of ahead's page, up to last */
+                const int64_t end = (ahead / page_size + 1) * page_size, n_pf = (end <= last ? end : last + 1) - ahead;
+                kv_prefetch(ks, KV_INDEX(ahead), n_pf, D);
+                kv_prefetch(vs, KV_INDEX(ahead), n_pf, D);
+                ahead += n_pf;
+            }
             float dk[8 * 64], mk[8 * 64];  /* [group][token] */
             for (int64_t u = 0; u < nt; u++) {
                 float dg[64], mg[64];
