@@ -124,6 +124,15 @@ static inline float exp_sum(float *p, int64_t n, float mx) {
 }
 
 
+/* 16 4-bit codes (8 bytes, value k in byte k/2, low nibble first) → values 0-7 and 8-15 as floats. */
+static inline void u4x16(const uint8_t *c, __m256 *lo8, __m256 *hi8) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+    const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi32(15)), hi = _mm256_srli_epi32(b, 4);
+    const __m256i a = _mm256_unpacklo_epi32(lo, hi), e = _mm256_unpackhi_epi32(lo, hi);  /* [0-3 | 8-11], [4-7 | 12-15] */
+    *lo8 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, e, 0x20));
+    *hi8 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, e, 0x31));
+}
+
 /* Token vector `t` (page-major index (page * Hkv + h) * page_size + slot) of one side, without its
  * scales: x[D] = the 8-bit codes, the 4-bit codes u, or the fp16 values, as floats; d[G], m[G] the
  * scale and min of each group of the vector (8-bit: m = 0; 16-bit: one group, d = 1, m = 0) → G.
@@ -149,13 +158,11 @@ static inline int64_t kv_codes(const lowbit_kv_side *s, int64_t t, int64_t D, fl
         return G;
     }
     const uint8_t *c = (const uint8_t *)s->codes + t * D / 2;
-    const __m256i low4 = _mm256_set1_epi32(15);
-    for (int64_t k = 0; k < D; k += 16) {  /* 8 bytes: values k, k+1 in byte k/2 (low first) */
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + k / 2)));
-        const __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_srli_epi32(b, 4);
-        const __m256i a = _mm256_unpacklo_epi32(lo, hi), e = _mm256_unpackhi_epi32(lo, hi);  /* [0-3 | 8-11], [4-7 | 12-15] */
-        _mm256_storeu_ps(x + k, _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, e, 0x20)));
-        _mm256_storeu_ps(x + k + 8, _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, e, 0x31)));
+    for (int64_t k = 0; k < D; k += 16) {
+        __m256 lo8, hi8;
+        u4x16(c + k / 2, &lo8, &hi8);
+        _mm256_storeu_ps(x + k, lo8);
+        _mm256_storeu_ps(x + k + 8, hi8);
     }
     return G;
 }
@@ -198,6 +205,44 @@ static inline void kv_prefetch(const lowbit_kv_side *s, int64_t t, int64_t n, in
  * (k8, 16 tokens of 64) that the hardware prefetchers hardly start on, so without this the loop waited
  * on memory (perf: most of its samples on the loads of codes and scales). */
 #define KV_AHEAD 32
+
+/* The values of one chunk (tokens first..last of KV head kvh) for its grp query heads, from 4-bit codes
+ * in groups of a multiple of 16: per head j, o_j += (p d) u per group and ms_j += p m, 2 tokens a pass —
+ * the general loop's arithmetic in its order (the same bits), the codes turned into floats in registers
+ * once for all grp heads instead of through a buffer. p: [grp][n] the chunk's exp-scores; o [grp, D],
+ * ms [grp, G] accumulate. */
+static void v4_values(const lowbit_kv_side *vs, const int64_t *table, int64_t page_size, int64_t Hkv, int64_t kvh,
+                      int64_t first, int64_t last, int64_t D, int64_t grp, const float *p, float *o, float *ms) {
+    const int64_t n = last - first + 1, G = D / vs->group, gv = vs->group;
+    for (int64_t t = first; t <= last; t += 2) {
+        const int two = t + 1 <= last;
+        const int64_t i0 = (table[t / page_size] * Hkv + kvh) * page_size + t % page_size;
+        const int64_t i1 = two ? (table[(t + 1) / page_size] * Hkv + kvh) * page_size + (t + 1) % page_size : i0;
+        const uint8_t *c0 = (const uint8_t *)vs->codes + i0 * D / 2, *c1 = (const uint8_t *)vs->codes + i1 * D / 2;
+        for (int64_t g = 0; g < G; g++) {
+            const float d0 = _cvtsh_ss(vs->scales[i0 * G + g]), m0 = _cvtsh_ss(vs->mins[i0 * G + g]);
+            const float d1 = _cvtsh_ss(vs->scales[i1 * G + g]), m1 = _cvtsh_ss(vs->mins[i1 * G + g]);
+            for (int64_t k = g * gv; k < (g + 1) * gv; k += 16) {
+                __m256 x0a, x0b, x1a, x1b;
+                u4x16(c0 + k / 2, &x0a, &x0b);
+                u4x16(c1 + k / 2, &x1a, &x1b);
+                for (int64_t j = 0; j < grp; j++) {
+                    const float p0 = p[j * n + t - first], p1 = two ? p[j * n + t + 1 - first] : 0.0f;
+                    const __m256 w0 = _mm256_set1_ps(p0 * d0), w1 = _mm256_set1_ps(two ? p1 * d1 : 0.0f);
+                    float *oj = o + j * D + k;
+                    __m256 a = _mm256_fmadd_ps(w0, x0a, _mm256_loadu_ps(oj)), b = _mm256_fmadd_ps(w0, x0b, _mm256_loadu_ps(oj + 8));
+                    if (two) a = _mm256_fmadd_ps(w1, x1a, a), b = _mm256_fmadd_ps(w1, x1b, b);
+                    _mm256_storeu_ps(oj, a);
+                    _mm256_storeu_ps(oj + 8, b);
+                }
+            }
+            for (int64_t j = 0; j < grp; j++) {
+                const float p0 = p[j * n + t - first], p1 = two ? p[j * n + t + 1 - first] : 0.0f;
+                ms[j * G + g] += p0 * m0 + (two ? p1 * m1 : 0.0f);
+            }
+        }
+    }
+}
 
 /* Decode attention straight from the paged, quantized pool: R query rows, each one token of its
  * sequence seeing the first ctx[r] >= 1 tokens of it (its own included; the last `window` if window > 0).
@@ -322,7 +367,8 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
         }
         for (int64_t i = 0; i < grp * D; i++) o[i] = 0.0f;
         for (int64_t i = 0; i < grp * GV; i++) ms[i] = 0.0f;
-        for (int64_t t = first; t <= last; t += 2) {  /* values, 2 tokens a pass over o: o += (p d) u per group, p m aside */
+        if (vs->bits == 4 && gv % 16 == 0) v4_values(vs, table, page_size, Hkv, kvh, first, last, D, grp, p, o, ms);
+        else for (int64_t t = first; t <= last; t += 2) {  /* values, 2 tokens a pass over o: o += (p d) u per group, p m aside */
             const int two = t + 1 <= last;
             float d1[64], m1[64];
             kv_codes(vs, KV_INDEX(t), D, x, d, m);
