@@ -173,3 +173,37 @@ def test_c_quantize_on_write_matches_the_specs(name, rotate, monkeypatch, c_kern
     for a, b in zip(c.gather(0, pages, 8 * P), ref.gather(0, pages, 8 * P)):
         step = (b.abs().amax() / 127) if fmt.k_bits == 8 and fmt.v_bits == 8 else (b.amax() - b.amin()) / 15
         assert (a - b).abs().max() <= step * 1.01
+
+
+@pytest.mark.parametrize("name", ["k8v4", "k4v4"])
+@pytest.mark.parametrize("H,Hkv,D", [(4, 4, 64), (6, 2, 64), (10, 2, 64), (4, 4, 128), (10, 2, 128)])
+def test_c_paged_attention_over_long_contexts_matches_sdpa_in_float64(name, H, Hkv, D, c_kernels):
+    """The C paged attention at head dims 64 and 128 and 1, 3 and 5 query heads per KV head, rows of 1
+    to 300 tokens (odd lengths; 130 and 300 are cut into chunks merged in order), scattered pages,
+    against SDPA in float64 over the same pool dequantized."""
+    import torch.nn.functional as F
+
+    P, ctxs = 16, [1, 7, 130, 300]
+    pool = KVPool(KV_FORMATS[name], 1, Hkv, D, num_pages=sum(-(-c // P) for c in ctxs) + 3, page_size=P)
+    g = torch.Generator().manual_seed(3)
+    perm = torch.randperm(pool.num_pages, generator=g)
+    tables, start = [], 0
+    for c in ctxs:
+        tables.append(perm[start:start + -(-c // P)])
+        start += len(tables[-1])
+        pos = torch.arange(c)
+        pool.write(0, torch.randn(c, Hkv, D, generator=g), torch.randn(c, Hkv, D, generator=g),
+                   tables[-1][pos // P] * P + pos % P)
+    q = torch.randn(len(ctxs), H, D, generator=g)
+    fmt, sides = pool.fmt, pool.sides[0]
+    got = c_kernels.native().paged_decode_attention(
+        q, torch.tensor(ctxs), torch.cat(tables).to(torch.int64), torch.tensor([0, *map(len, tables[:-1])]).cumsum(0),
+        P, (fmt.k_bits, fmt.group(fmt.k_bits, fmt.k_group, D), sides["k"]),
+        (fmt.v_bits, fmt.group(fmt.v_bits, fmt.v_group, D), sides["v"]), pool.rot, None)
+    # the kernel's fp32 sums of exp-scores times group mins over up to 300 tokens, and the rotation there
+    # and back, leave up to 3.2e-6 here (fp32 SDPA: 4e-7); a wrong scale, min, page or head is off by 1e-2
+    for r, (c, t) in enumerate(zip(ctxs, tables)):
+        keys, values = pool.gather(0, t, c)  # [Hkv, c, D], un-rotated
+        want = F.scaled_dot_product_attention(q[r][None, :, None].double(), keys[None].double(),
+                                              values[None].double(), enable_gqa=H != Hkv)[0, :, 0]
+        torch.testing.assert_close(got[r].double(), want, rtol=1e-5, atol=5e-6)
