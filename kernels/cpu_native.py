@@ -125,7 +125,7 @@ class NativeKernels:
         self.ctx = _Ctx(number, 1)
         ctxp, lin = ctypes.POINTER(_Ctx), ctypes.POINTER(_Linear)
         lib.lowbit_linear_mm.argtypes = [ctxp, lin, ptr, i64, ptr]
-        lib.lowbit_int4_dequant_t.argtypes = [lin, ptr, ctypes.c_int]
+        lib.lowbit_int4_dequant_t.argtypes = [lin, i64, i64, ptr, ctypes.c_int]
         lib.lowbit_int8_dequant.argtypes = [lin, i64, i64, ptr, ctypes.c_int]
         lib.lowbit_int8_rows.argtypes = [lin, ptr, i64, ptr]
         lib.lowbit_add_rms_norm.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, f32, i64, i64, ptr]
@@ -175,11 +175,12 @@ class NativeKernels:
     # dequantize_packed_t, int8_mm.py Int8Packed.dequantize): one pass instead of ~10 torch ops over
     # the tile (one exact pass over the default model's weights: ~0.4 s of dequantizing in torch).
 
-    def int4_dequant_t(self, desc: _Linear) -> torch.Tensor:
-        """An int4 weight → W^T fp32 [K, N]."""
-        out = torch.empty(desc.K, desc.N)
-        if self.lib.lowbit_int4_dequant_t(ctypes.byref(desc), out.data_ptr(), torch.get_num_threads()):
-            raise ValueError(f"cpu int4 dequantize refused N={desc.N} K={desc.K} group={desc.group}")
+    def int4_dequant_t(self, desc: _Linear, start: int, stop: int) -> torch.Tensor:
+        """An int4 weight's rows start..stop-1 (whole tiles of 16) → their W^T fp32 [K, stop - start]."""
+        out = torch.empty(desc.K, max(0, stop - start))
+        if self.lib.lowbit_int4_dequant_t(ctypes.byref(desc), start, stop, out.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"cpu int4 dequantize refused rows {start}:{stop} of N={desc.N} K={desc.K} "
+                             f"group={desc.group}")
         return out
 
     def int8_dequant(self, desc: _Linear, start: int, stop: int) -> torch.Tensor:

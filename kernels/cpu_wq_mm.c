@@ -198,17 +198,19 @@ static inline void transpose16x4(const uint8_t *p, __m128i col[4]) {
     col[2] = _mm_unpacklo_epi64(t2, t3), col[3] = _mm_unpackhi_epi64(t2, t3);
 }
 
-/* int4 (kind 1) → W^T fp32 [K, N]: w = u * d + m (P = 2) or (u - 8) * d (P = 1), as the torch spec
- * (kernels/int4_mm.py dequantize_packed_t). Groups are shared out over the threads; each writes its
- * groups' rows k of the output. */
-int lowbit_int4_dequant_t(const lowbit_linear *w, float *out, int nthreads) {
-    if (w->kind != 1 || lowbit_linear_check(w, LOWBIT_ISA_AVX2)) return -1;
-    const int64_t N = w->N, K = w->K, gs = w->group, P = w->P, G = K / gs, T = N / LOWBIT_TILE, tb = lowbit_tile_bytes(w);
+/* int4 (kind 1), output rows n0..n1-1 (whole tiles) → their W^T fp32 [K, n1 - n0]: w = u * d + m
+ * (P = 2) or (u - 8) * d (P = 1), as the torch spec (kernels/int4_mm.py dequantize_packed_t). Groups
+ * are shared out over the threads; each writes its groups' rows k of the output. */
+int lowbit_int4_dequant_t(const lowbit_linear *w, int64_t n0, int64_t n1, float *out, int nthreads) {
+    if (w->kind != 1 || lowbit_linear_check(w, LOWBIT_ISA_AVX2) || n0 < 0 || n1 > w->N || n0 > n1 ||
+        n0 % LOWBIT_TILE || n1 % LOWBIT_TILE)
+        return -1;
+    const int64_t N = n1 - n0, K = w->K, gs = w->group, P = w->P, G = K / gs, tb = lowbit_tile_bytes(w);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t g = 0; g < G; g++) {
         const __m128i low4 = _mm_set1_epi8(15);
         const __m256i eight = _mm256_set1_epi32(8);
-        for (int64_t t = 0; t < T; t++) {
+        for (int64_t t = n0 / LOWBIT_TILE; t < n1 / LOWBIT_TILE; t++) {
             const uint8_t *unit = lowbit_group_scales(w, w->data + t * tb, g), *codes = lowbit_group_codes(w, w->data + t * tb, g);
             __m256 d[2], m[2];
             for (int hf = 0; hf < 2; hf++) {
@@ -221,7 +223,7 @@ int lowbit_int4_dequant_t(const lowbit_linear *w, float *out, int nthreads) {
                 for (int i = 0; i < 4; i++)
                     for (int nib = 0; nib < 2; nib++) {
                         const __m128i u8 = nib ? _mm_and_si128(_mm_srli_epi16(col[i], 4), low4) : _mm_and_si128(col[i], low4);
-                        float *o = out + (g * gs + 8 * c + 4 * nib + i) * N + t * LOWBIT_TILE;
+                        float *o = out + (g * gs + 8 * c + 4 * nib + i) * N + t * LOWBIT_TILE - n0;
                         for (int hf = 0; hf < 2; hf++) {
                             const __m256i u = _mm256_cvtepu8_epi32(hf ? _mm_srli_si128(u8, 8) : u8);
                             const __m256 v = P == 2 ? _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(u), d[hf]), m[hf])

@@ -21,7 +21,8 @@ CPU has two paths, chosen per call (`exact`, by default by M, the rows of x):
   (kernels/act_quant.py), exact integer block sums, one fp32 epilogue; `int4_mm_fast_ref` is its
   spec, bit for bit, and a row's result does not depend on M or on the instruction set.
 - exact (prefill, evaluation, and every call where the C kernels are not built): W^T dequantized
-  with the exact fp16 scales into an fp32 tile that lives for this call only, then torch's fp32
+  with the exact fp16 scales into fp32 tiles of ~4M weights that live for this call only
+  (kernels/exact_mm.py `in_tiles`), then torch's fp32
   GEMM (M = 512: 7.7 ms against 21 ms for torch's bf16 int4 kernel on a 1728x576 weight), its rows
   independent of M (kernels/exact_mm.py).
 
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 from lowbit.kernels import cpu_native
 from lowbit.kernels.act_quant import BLOCK, act_quant_ref
-from lowbit.kernels.exact_mm import exact_mm
+from lowbit.kernels.exact_mm import exact_mm, in_tiles
 from lowbit.kernels.tile_layout import TILE, pack_tiles, padded_input, unpack_tiles
 
 EXACT_MIN_ROWS = 16
@@ -98,12 +99,16 @@ def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
     return Int4Packed(pack_tiles(torch.cat(sc, dim=-1), packed), g, mins is None, N, in_features, Kp)
 
 
-def dequantize_packed_t(w: Int4Packed) -> torch.Tensor:
-    """Exact fp32 W^T [Kp, Np] (a tile for one call, never kept), computed in the reference's
-    order — d * (u - 8), d * u + m — so it matches quant/int4.py's dequantize bit for bit."""
+def dequantize_packed_t(w: Int4Packed, rows: slice = slice(None)) -> torch.Tensor:
+    """Exact fp32 W^T [Kp, n] of the output rows start..stop-1 (whole tiles of 16; a tile for one call,
+    never kept), computed in the reference's order — d * (u - 8), d * u + m — so it matches
+    quant/int4.py's dequantize bit for bit."""
+    start, stop, _ = rows.indices(w.padded_shape[0])
+    stop = max(start, stop)
     if w.data.device.type == "cpu" and (kernels := cpu_native.native()) is not None:
-        return kernels.int4_dequant_t(w.c_desc())  # the same numbers, in one C pass
+        return kernels.int4_dequant_t(w.c_desc(), start, stop)  # the same numbers, in one C pass
     u, d, m = w.unpack()  # [Np, Kp], [Np, G]
+    u, d, m = u[start:stop], d[start:stop], None if m is None else m[start:stop]
     Np, Kp = u.shape
     G, g = Kp // w.group_size, w.group_size
     ut = u.t().reshape(G, g, Np)  # [G, g, Np]: rows of one group are contiguous
@@ -122,7 +127,7 @@ def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.
     x = padded_input("int4_mm", x, w.in_features, Kp)
     kernels = cpu_native.native()
     if kernels is None or (exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS) or x.shape[0] == 0:
-        y = exact_mm(x, dequantize_packed_t(w))
+        y = in_tiles(Np, Kp, lambda a, b: exact_mm(x, dequantize_packed_t(w, slice(a, b))))
     else:
         y = kernels.linear_mm(x, w.c_desc())
     return y[:, : w.out_features] if Np != w.out_features else y

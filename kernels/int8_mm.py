@@ -27,12 +27,9 @@ import torch.nn.functional as F
 
 from lowbit.kernels import cpu_native
 from lowbit.kernels.act_quant import BLOCK, act_quant_ref
-from lowbit.kernels.exact_mm import exact_linear
+from lowbit.kernels.exact_mm import exact_linear, in_tiles
 from lowbit.kernels.int4_mm import EXACT_MIN_ROWS
 from lowbit.kernels.tile_layout import TILE, pack_tiles, padded_input, unpack_tiles
-
-_TILE_ELEMS = 1 << 22  # exact path: dequantize ~4M weights (16 MB fp32) at a time
-
 
 @dataclass
 class Int8Packed:
@@ -114,9 +111,7 @@ def int8_mm(x: torch.Tensor, w: Int8Packed, exact: bool | None = None) -> torch.
     x = padded_input("int8_mm", x, w.in_features, Kp)
     kernels = cpu_native.native()
     if kernels is None or (exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS) or x.shape[0] == 0:
-        step = max(TILE, _TILE_ELEMS // Kp // TILE * TILE)
-        return torch.cat([exact_linear(x, w.dequantize(slice(i, min(i + step, w.out_features))))
-                          for i in range(0, w.out_features, step)], dim=-1)
+        return in_tiles(w.out_features, Kp, lambda a, b: exact_linear(x, w.dequantize(slice(a, b))))
     y = kernels.linear_mm(x, w.c_desc())
     return y[:, : w.out_features] if Np != w.out_features else y
 

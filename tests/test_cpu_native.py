@@ -358,17 +358,48 @@ def test_exact_path_tiles_are_the_specs_bit_for_bit(name, N, K, monkeypatch):
     w = quantize_weight(torch.randn(N, K, generator=torch.Generator().manual_seed(N)), spec)
     if name.startswith("int4"):
         p = int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K)
-        tiles = [dequantize_packed_t(p)]
+        tiles = [dequantize_packed_t(p), dequantize_packed_t(p, slice(16, 32)), dequantize_packed_t(p, slice(32, None))]
     else:
         p = int8_pack(w.qweight, w.scales, K)
         tiles = [p.dequantize(), p.dequantize(slice(3, 17)), p.dequantize(slice(5, None))]
     monkeypatch.setattr(cpu_native, "native", lambda: None)
     if name.startswith("int4"):
-        want = [dequantize_packed_t(p)]
+        want = [dequantize_packed_t(p), dequantize_packed_t(p, slice(16, 32)), dequantize_packed_t(p, slice(32, None))]
+        assert torch.equal(want[1], want[0][:, 16:32]) and torch.equal(want[2], want[0][:, 32:])
     else:
         want = [p.dequantize(), p.dequantize(slice(3, 17)), p.dequantize(slice(5, None))]
     for got, ref in zip(tiles, want):
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("name", ["int4-g32", "int4-sym-g32", "int8-g32"])
+def test_exact_path_in_row_ranges(name, monkeypatch):
+    """The exact path multiplies a weight a range of output rows at a time (kernels/exact_mm.py
+    in_tiles; here ranges of 16 and 32 rows of a 80-row weight): the result is the spec's, the same with
+    the C kernels and without, and a row's result is the same at every M."""
+    from lowbit.kernels import cpu_native, exact_mm
+    from lowbit.kernels.int4_mm import int4_mm, int4_mm_ref
+    from lowbit.kernels.int8_mm import int8_mm, int8_mm_ref
+
+    _kernels()
+    spec = parse_weights(name)
+    N, K = 80, 96
+    w = quantize_weight(torch.randn(N, K, generator=torch.Generator().manual_seed(5)), spec)
+    x = torch.randn(20, K, generator=torch.Generator().manual_seed(6))
+    if name.startswith("int4"):
+        p = int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K)
+        mm, want = int4_mm, int4_mm_ref(x, w.codes(), w.scales, w.mins, spec.group_size)
+    else:
+        p = int8_pack(w.qweight, w.scales, K)
+        mm, want = int8_mm, int8_mm_ref(x, w.qweight, w.scales)
+    for elems in (16 * K, 32 * K):
+        monkeypatch.setattr(exact_mm, "TILE_ELEMS", elems)
+        with_c = mm(x, p, exact=True)
+        torch.testing.assert_close(with_c, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(mm(x[:17], p, exact=True), with_c[:17])
+        with monkeypatch.context() as m:
+            m.setattr(cpu_native, "native", lambda: None)
+            assert torch.equal(mm(x, p, exact=True), with_c)
 
 
 @pytest.mark.parametrize("weights,bias", [("int4-g32", False), ("int4-sym-g32", True)])
