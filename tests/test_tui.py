@@ -207,6 +207,33 @@ def test_settings_reach_the_request(tmp_path):
     asyncio.run(go())
 
 
+def test_changing_the_model_in_settings_updates_the_status_line(tmp_path):
+    """Picking another model in Settings shows that model's /v1/models entry in the status line (its
+    context length, no stale formats of the model before) and sends requests to it."""
+    fake = FakeOpenAI([["ok"]])
+    app = make_app(tmp_path, fake)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.settings.model == "fake-model")
+            status = app.query_one("#status")
+            assert "kv_cache" not in str(status.render()) and "KV k8v4" in str(status.render())
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: isinstance(app.screen, SettingsScreen) and app.screen.models_loaded)
+            app.screen.query_one("#model").value = "other-model"
+            await pilot.pause(0.1)
+            await pilot.click("#save")
+            await until(pilot, lambda: not isinstance(app.screen, SettingsScreen))
+            assert app.model_info["id"] == "other-model"
+            await send(pilot, "hello")
+            await until(pilot, lambda: len(app.messages) == 2 and not app.generating)
+            assert fake.requests[-1]["model"] == "other-model"
+            text = str(status.render())
+            assert text.startswith("other-model") and "KV k8v4" not in text and "/1024" in text, text
+
+    asyncio.run(go())
+
+
 def test_history_saved_reopened_after_restart_and_exported(tmp_path):
     fake = FakeOpenAI([["**bold** answer"]])
     app = make_app(tmp_path, fake)

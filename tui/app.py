@@ -86,6 +86,7 @@ class ChatApp(App):
         self.client, self.store = client, store
         self.settings = settings or Settings()
         self.model_info = model_info or {}  # /v1/models entry: id, max_model_len, lowbit's formats
+        self.served: list[dict] = [model_info] if model_info else []  # every /v1/models entry, once connected
         self.wait_ready = wait_ready
         self.chat_id: int | None = None
         self.messages: list[Message] = []
@@ -129,6 +130,7 @@ class ChatApp(App):
             self.notify(str(e), title="Server unavailable", severity="error")
             status.update(f"no server at {self.client.base_url}")
             return
+        self.served = models
         if models:
             chosen = next((m for m in models if m.get("id") == self.settings.model), models[0])
             self.model_info = chosen
@@ -268,8 +270,9 @@ class ChatApp(App):
         def done(result: Settings | None) -> None:
             if result is not None:
                 self.settings = result
-                self.model_info = next((m for m in getattr(self, "_models", []) if m["id"] == result.model),
-                                       self.model_info)
+                # the chosen model's entry: its context length and formats, not the previous model's
+                self.model_info = next((m for m in self.served if m.get("id") == result.model),
+                                       {"id": result.model} if result.model else self.model_info)
                 self.save()
                 self.show_status()
 
