@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import threading
+
+from lowbit.runtime.ports import free_port
 
 
 def add_chat_parser(sub, add_model_args, add_engine_args) -> None:
@@ -37,12 +38,6 @@ def add_chat_parser(sub, add_model_args, add_engine_args) -> None:
     chat.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default 512)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_local_server(args, failure: list) -> tuple[str, tuple]:
     """uvicorn on a free loopback port in a daemon thread; the model loads in another thread (the
     server answers /health 503 meanwhile, which the app shows as loading). → (base URL, (server,
@@ -55,7 +50,7 @@ def start_local_server(args, failure: list) -> tuple[str, tuple]:
     check_engine_args(args)
     kv_memory = parse_size(args.kv_memory)
     app = build_app(None)
-    port = _free_port()
+    port = free_port()
     # the terminal belongs to the app: the server only logs errors, to a logger the app does not show
     logging.getLogger("uvicorn.error").handlers = [logging.NullHandler()]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", access_log=False))

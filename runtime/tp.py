@@ -28,7 +28,6 @@ import atexit
 import dataclasses
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from lowbit.models.attention import PagedBatch
 from lowbit.models.sharding import Shard
 from lowbit.quant.linear import ExactRows
 from lowbit.runtime.errors import LowbitError
+from lowbit.runtime.ports import free_port
 
 # A server's ranks wait in a broadcast for as long as no request comes: no collective timeout of
 # practical size, so a dead rank is found by watching processes, not by gloo timing out.
@@ -68,7 +68,7 @@ def load_tp(ref: str | None, weights: str, tp: int, progress: bool | None = None
     if progress or (progress is None and sys.stderr.isatty()):
         where = f", cores {groups}" if groups else ""
         print(f"lowbit: tensor parallel: starting ranks 1..{tp - 1} ({per_rank} threads each{where})", file=sys.stderr)
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     ctx = _spawn(tp - 1, (tp, init, str(path), weights, dtype, per_rank, groups))
     model = TPModel(lm.model, ctx, _pin(groups, 0))  # pinned after the spawn: the ranks inherit no mask
     torch.set_num_threads(per_rank)
@@ -123,12 +123,6 @@ def _pin(groups: list[list[int]] | None, rank: int) -> set[int] | None:
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, groups[rank])
     return before
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TPModel:

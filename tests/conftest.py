@@ -3,7 +3,6 @@
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+
+from lowbit.runtime.ports import free_port
 
 # Tests measure behaviour, not speed; two threads match the CI machine and keep runs comparable.
 torch.set_num_threads(min(2, os.cpu_count() or 2))
@@ -85,18 +86,12 @@ def wikitext_excerpt() -> bytes:
     return (Path(__file__).parent / "data" / "wikitext2_test_excerpt.txt").read_bytes()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def lowbit_server(default_gguf, tmp_path_factory):
     """`lowbit serve` on the default model, started as users start it (a subprocess on a free
     loopback port, API key from $LOWBIT_API_KEY = "sk-acceptance"), shared by the acceptance tests
     of the server and of `lowbit bench`. Yields (base URL, /health codes seen until ready, log path)."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "LOWBIT_API_KEY": "sk-acceptance"}
     with open(log, "w") as out:
@@ -180,7 +175,7 @@ def serving(app):
 
     import uvicorn
 
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     try:

@@ -28,7 +28,7 @@ from lowbit.runtime.loader import load
 from lowbit.runtime.sampler import SamplingParams
 from lowbit.runtime.speculative import SpecConfig
 from lowbit.runtime.tp import load_tp
-from tests.conftest import _free_port
+from lowbit.runtime.ports import free_port
 from tests.test_cli import LOWBIT, N_HEADS, N_KV_HEADS, assert_one_line_error, write_tiny_gguf
 
 pytestmark = pytest.mark.slow
@@ -156,7 +156,7 @@ def test_bad_tp_is_refused(tmp_path):
 
 def _serve(model: str, tp: int, log):
     """`lowbit serve MODEL --tp N` on a free port → (process, base URL), once /health says 200."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([*LOWBIT, "serve", model, "--tp", str(tp), "--port", str(port), "--kv-memory", "16MiB"],
                             stdout=log, stderr=subprocess.STDOUT)
     base, deadline = f"http://127.0.0.1:{port}", time.time() + 240
