@@ -20,7 +20,7 @@ from lowbit.quant.kv import KV_FORMATS
 from lowbit.runtime.engine import AsyncEngine, Engine
 from lowbit.runtime.kv_cache import KVPool
 from lowbit.runtime.sampler import SamplingParams
-from tests.conftest import ByteTokenizer  # conftest is loaded (as tests.conftest) before any test module
+from tests.helpers import ByteTokenizer
 
 VOCAB = 101
 CFG = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,

@@ -15,7 +15,7 @@ from lowbit.models.llama import Llama
 from lowbit.models.synthetic import random_weights
 from lowbit.runtime.engine import AsyncEngine, Engine
 from lowbit.runtime.server import Served, build_app
-from tests.conftest import serving
+from tests.helpers import serving
 
 VOCAB = 101
 CTX = 128

@@ -225,7 +225,7 @@ def test_served_with_speculation_reports_it_on_metrics(target, byte_tokenizer):
 
     from lowbit.runtime.engine import AsyncEngine
     from lowbit.runtime.server import Served, build_app
-    from tests.conftest import serving
+    from tests.helpers import serving
 
     class Tok(type(byte_tokenizer)):  # printable text for every id, as the server streams text
         def token_bytes(self, i: int) -> bytes:
