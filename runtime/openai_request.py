@@ -20,10 +20,9 @@ from lowbit.runtime.sampler import MAX_LOGPROBS, SamplingParams
 log = logging.getLogger("lowbit.server")
 
 MAX_CHOICES = 128  # OpenAI's bound on n
-# fields both endpoints map onto SamplingParams (OpenAI name → SamplingParams name)
-_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-             "repetition_penalty": "repetition_penalty", "seed": "seed"}
+# fields both endpoints pass on to SamplingParams under the same names
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "seed")
 # fields accepted and deliberately without effect here
 _IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "stop", "logit_bias", "logprobs",
@@ -178,7 +177,7 @@ class RequestParser:
             raise bad_request("stream_options must be an object", "stream_options")
 
     def _params(self, body: dict, prompt_len: int, max_key: str, logprobs: int | None) -> SamplingParams:
-        kw: dict[str, Any] = {dst: body[src] for src, dst in _SAMPLING.items() if body.get(src) is not None}
+        kw: dict[str, Any] = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
         if body.get("ignore_eos") is not None:
             if not isinstance(body["ignore_eos"], bool):
                 raise bad_request("ignore_eos must be a boolean", "ignore_eos")
@@ -224,7 +223,7 @@ class RequestParser:
         except (ValueError, TypeError) as e:
             msg = str(e)
             name = msg.split(" ", 1)[0]
-            param = next((k for k, v in _SAMPLING.items() if v == name), name if name in _PARAMS_FIELDS else None)
+            param = name if name in _PARAMS_FIELDS else None
             if param == "max_tokens":
                 param = max_key
             raise bad_request(msg, param) from None
