@@ -68,6 +68,6 @@ def padded_input(op: str, x: torch.Tensor, in_features: int, Kp: int) -> torch.T
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"{op}: x has shape {tuple(x.shape)}, expected [M, {in_features}]")
     if x.device.type != "cpu":
-        raise NotImplementedError(f"{op}: only the CPU path exists yet")
+        raise NotImplementedError(f"{op} multiplies lowbit's CPU layouts: x must be on the CPU, not {x.device}")
     x = x.float()
     return F.pad(x, (0, Kp - in_features)) if Kp != in_features else x

@@ -11,7 +11,7 @@ Every page is in exactly one of three states (`check_invariants` asserts they co
 - cached: ref_count 0 but registered in the prefix cache; kept until a page is needed, then
   evicted least recently released first (`self.evictable`). `num_free_pages` counts free + cached.
 
-Prefix caching (issue 4 item 4). A FULL page whose KV is final is registered under the key
+Prefix caching. A FULL page whose KV is final is registered under the key
 (key id of the page before it, its page_size token ids). Key ids come from a counter and are never
 reused, so a key names the whole token prefix up to the end of its page exactly: no hash, no false
 hit on equal page tokens after a different earlier prefix, and O(page_size) work per page instead of

@@ -1,6 +1,6 @@
 """lowbit vs the exact model: `transformers` loading the same GGUF dequantized to fp32.
 
-Acceptance (issue 2): over the first 512 tokens of the vendored WikiText excerpt, mean KL ≤ 1e-3
+The bar: over the first 512 tokens of the vendored WikiText excerpt, mean KL ≤ 1e-3
 and top-1 agreement ≥ 99% — for scale, llama.cpp itself measures mean KL 3.2e-3 and 97.7% on the
 same tokens — and greedy 32-token replies equal the reference's for at least 4 of 5 chat prompts.
 """
