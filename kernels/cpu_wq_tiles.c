@@ -191,8 +191,9 @@ TILES_ENTRY(int8)
 /* ---- 256 bits: a tile as two halves of 8 rows, fp32 sums in y ---- */
 /* One or two rows of x go over the whole tile at once (`*_full`, H = 2 halves), so each activation
  * broadcast serves 16 rows (A/B alternated in one process, AVX2, the 1.7B-shape model's int4 weights
- * at one row: +31% GB/s; 2 rows +14%); more rows go over each half in turn (`*_half`), their sums in
- * the 16 registers (the `_full` form for them measured 12-20% slower at 4 and 16 rows). */
+ * at one row: +31% GB/s; 2 rows +14%); more rows go over each half in turn (`*_half`: the same loops
+ * with H = 1), their sums in the 16 registers (both halves at once measured 12-20% slower at 4 and 16
+ * rows). */
 
 /* acc + the products of u8 codes and s8 activations, 4 by 4 (int16 pair sums on AVX2, int32 with VNNI). */
 #if LB_ISA == 1
@@ -346,97 +347,17 @@ static inline __attribute__((always_inline)) void int8_full(const int R, const i
     }
 }
 
+/* More rows go over each half in turn: the same loops with one half (H = 1), their sums in the 16 registers. */
 static inline __attribute__((always_inline)) void int4_half(const int R, int64_t m0, const lowbit_linear *w,
                                                             const lowbit_qact *a, const uint8_t *tile, int64_t n0,
                                                             int half, float *y) {
-    const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P, N = w->N;
-    const __m256i low4 = _mm256_set1_epi8(15);
-    float *yr = y + m0 * N + n0 + 8 * half;
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(yr + r * N, _mm256_setzero_ps());
-    lowbit_group_walk walk = lowbit_walk(w, tile);
-    for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
-        const uint8_t *unit = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi) + 32 * half;
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 16 * half)));
-        const __m256 mn = P == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 32 + 16 * half))) : d;
-        for (int64_t bb = 0; bb < nbg; bb++) {
-            const int64_t b = gi * nbg + bb;
-            __m256i th[4], tl[4];
-            for (int r = 0; r < R; r++) th[r] = tl[r] = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + bb * 256 + 64 * j));
-                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *p = HL(a, m0 + r, b, j, 8);
-#if LB_ISA == 1
-                    th[r] = _mm256_add_epi16(th[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load32(p))));
-                    tl[r] = _mm256_add_epi16(tl[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load32(p + 4))));
-                    th[r] = _mm256_add_epi16(th[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load32(p + 8))));
-                    tl[r] = _mm256_add_epi16(tl[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load32(p + 12))));
-                    KEEP(th[r]);
-                    KEEP(tl[r]);
-#else
-                    th[r] = DPBUSD256(th[r], lo, _mm256_set1_epi32(load32(p)));
-                    tl[r] = DPBUSD256(tl[r], lo, _mm256_set1_epi32(load32(p + 4)));
-                    th[r] = DPBUSD256(th[r], hi, _mm256_set1_epi32(load32(p + 8)));
-                    tl[r] = DPBUSD256(tl[r], hi, _mm256_set1_epi32(load32(p + 12)));
-                    KEEP(th[r]);
-                    KEEP(tl[r]);
-#endif
-                }
-            }
-            for (int r = 0; r < R; r++)
-                int4_epilogue(yr + r * N, planes_sum(th[r], tl[r]), d, mn, P, a->blk[(m0 + r) * a->nb + b]);
-        }
-    }
+    int4_full(R, 1, m0, w, a, tile, n0, half, y);
 }
 
 static inline __attribute__((always_inline)) void int8_half(const int R, int64_t m0, const lowbit_linear *w,
                                                             const lowbit_qact *a, const uint8_t *tile, int64_t n0,
                                                             int half, float *y) {
-    const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P, N = w->N;
-    float *yr = y + m0 * N + n0 + 8 * half;
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(yr + r * N, _mm256_setzero_ps());
-    lowbit_group_walk walk = lowbit_walk(w, tile);
-    for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
-        const uint8_t *unit = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi) + 32 * half;
-        const __m256 d = P == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 16 * half)))
-                                : _mm256_loadu_ps((const float *)unit + 8 * half);
-        for (int64_t bb = 0; bb < nbg; bb++) {
-            const int64_t b = gi * nbg + bb;
-            __m256i ta[4], tb[4];
-            for (int r = 0; r < R; r++) ta[r] = tb[r] = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++) {
-                const uint8_t *c = codes + bb * 512 + 64 * j;
-#if LB_ISA == 1
-                /* rows 0-3 and 4-7 of the half, 4 k each, as int16; x's 4 codes broadcast as 64 bits */
-                const __m256i ua = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
-                const __m256i ub = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
-                for (int r = 0; r < R; r++) {
-                    const __m256i xq = _mm256_set1_epi64x(load64(a->q + (m0 + r) * a->K + b * 32 + 4 * j));
-                    ta[r] = _mm256_add_epi32(ta[r], _mm256_madd_epi16(ua, xq));
-                    tb[r] = _mm256_add_epi32(tb[r], _mm256_madd_epi16(ub, xq));
-                    KEEP(ta[r]);
-                    KEEP(tb[r]);
-                }
-#else
-                const __m256i v = _mm256_loadu_si256((const __m256i *)c);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *p = HL(a, m0 + r, b, j, 4);
-                    ta[r] = DPBUSD256(ta[r], v, _mm256_set1_epi32(load32(p)));
-                    tb[r] = DPBUSD256(tb[r], v, _mm256_set1_epi32(load32(p + 4)));
-                    KEEP(ta[r]);
-                    KEEP(tb[r]);
-                }
-#endif
-            }
-            for (int r = 0; r < R; r++)
-#if LB_ISA == 1
-                int8_epilogue(yr + r * N, pairs_sum(ta[r], tb[r]), d, a->blk[(m0 + r) * a->nb + b]);
-#else
-                int8_epilogue(yr + r * N, planes_sum(ta[r], tb[r]), d, a->blk[(m0 + r) * a->nb + b]);
-#endif
-        }
-    }
+    int8_full(R, 1, m0, w, a, tile, n0, half, y);
 }
 
 /* The entry for one kind (int4, int8). One or two rows run whole tiles in a function of their own, so
