@@ -69,11 +69,13 @@ class Int4Packed:
             self.desc = cpu_native._Linear(1, Np, Kp, self.group_size, self.scales_per_row, self.data.data_ptr(), None)
         return self.desc
 
-    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(codes uint8 [Np, Kp], scales fp16 [Np, G], mins fp16 [Np, G] or None): the inverse of int4_pack."""
-        T, P, g = self.data.shape[0], self.scales_per_row, self.group_size
+    def unpack(self, tiles: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes uint8 [n, Kp], scales fp16 [n, G], mins fp16 [n, G] or None) of the rows of these tiles
+        (default all: n = Np): the inverse of int4_pack."""
+        data = self.data[tiles]
+        T, P, g = data.shape[0], self.scales_per_row, self.group_size
         G, nb = self.padded_in // g, g // BLOCK
-        sc, codes = unpack_tiles(self.data, G, 32 * P, 8 * g)  # [T, G, 32 P], [T, G, 8 g]
+        sc, codes = unpack_tiles(data, G, 32 * P, 8 * g)  # [T, G, 32 P], [T, G, 8 g]
         sc = sc.contiguous().view(torch.float16).view(T, G, P, TILE).permute(0, 3, 1, 2).reshape(T * TILE, G, P)
         b = codes.reshape(T, G, nb, 4, TILE, 4)  # [t, g, block, j, r, i]
         u = torch.stack((b & 0xF, b >> 4), dim=-1)  # [t, g, block, j, r, i, half]: k = 8j + 4 half + i
@@ -107,8 +109,9 @@ def dequantize_packed_t(w: Int4Packed, rows: slice = slice(None)) -> torch.Tenso
     stop = max(start, stop)
     if w.data.device.type == "cpu" and (kernels := cpu_native.native()) is not None:
         return kernels.int4_dequant_t(w.c_desc(), start, stop)  # the same numbers, in one C pass
-    u, d, m = w.unpack()  # [Np, Kp], [Np, G]
-    u, d, m = u[start:stop], d[start:stop], None if m is None else m[start:stop]
+    u, d, m = w.unpack(slice(start // TILE, -(-stop // TILE)))  # the rows' tiles: [n, Kp], [n, G]
+    lo = start % TILE
+    u, d, m = u[lo:lo + stop - start], d[lo:lo + stop - start], None if m is None else m[lo:lo + stop - start]
     Np, Kp = u.shape
     G, g = Kp // w.group_size, w.group_size
     ut = u.t().reshape(G, g, Np)  # [G, g, Np]: rows of one group are contiguous
