@@ -133,6 +133,12 @@ static inline void u4x16(const uint8_t *c, __m256 *lo8, __m256 *hi8) {
     *hi8 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, e, 0x31));
 }
 
+/* Where token t of a sequence (page ids `table`) keeps head h's vector in a side: the page-major index
+ * (page * Hkv + h) * page_size + slot. */
+static inline int64_t kv_token(const int64_t *table, int64_t page_size, int64_t Hkv, int64_t h, int64_t t) {
+    return (table[t / page_size] * Hkv + h) * page_size + t % page_size;
+}
+
 /* Token vector `t` (page-major index (page * Hkv + h) * page_size + slot) of one side, without its
  * scales: x[D] = the 8-bit codes, the 4-bit codes u, or the fp16 values, as floats; d[G], m[G] the
  * scale and min of each group of the vector (8-bit: m = 0; 16-bit: one group, d = 1, m = 0) → G.
@@ -216,8 +222,8 @@ static void v4_values(const lowbit_kv_side *vs, const int64_t *table, int64_t pa
     const int64_t n = last - first + 1, G = D / vs->group, gv = vs->group;
     for (int64_t t = first; t <= last; t += 2) {
         const int two = t + 1 <= last;
-        const int64_t i0 = (table[t / page_size] * Hkv + kvh) * page_size + t % page_size;
-        const int64_t i1 = two ? (table[(t + 1) / page_size] * Hkv + kvh) * page_size + (t + 1) % page_size : i0;
+        const int64_t i0 = kv_token(table, page_size, Hkv, kvh, t);
+        const int64_t i1 = two ? kv_token(table, page_size, Hkv, kvh, t + 1) : i0;
         const uint8_t *c0 = (const uint8_t *)vs->codes + i0 * D / 2, *c1 = (const uint8_t *)vs->codes + i1 * D / 2;
         for (int64_t g = 0; g < G; g++) {
             const float d0 = _cvtsh_ss(vs->scales[i0 * G + g]), m0 = _cvtsh_ss(vs->mins[i0 * G + g]);
@@ -320,7 +326,7 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
             }
         }
         const int64_t *table = tables + toff[r];
-#define KV_INDEX(t) ((table[(t) / page_size] * Hkv + kvh) * page_size + (t) % page_size)
+#define KV_INDEX(t) kv_token(table, page_size, Hkv, kvh, t)
         int64_t ahead = first;  /* the first token not yet asked for */
         for (int64_t t0 = first; t0 <= last; t0 += 8) {  /* scores, 8 tokens at a time: per group d (q . c) + m sum q */
             const int64_t nt = last - t0 + 1 < 8 ? last - t0 + 1 : 8;
