@@ -233,14 +233,19 @@ static inline __m256i pairs_sum(__m256i ta, __m256i tb) {
     return _mm256_permute4x64_epi64(_mm256_hadd_epi32(ta, tb), 0xD8);
 }
 
+/* The R rows x H halves of y a pass sums into (rows N floats apart), set to 0 → yr. */
+static inline float *zeroed_rows(float *yr, const int R, const int H, int64_t N) {
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < H; h++) _mm256_storeu_ps(yr + r * N + 8 * h, _mm256_setzero_ps());
+    return yr;
+}
+
 static inline __attribute__((always_inline)) void int4_full(const int R, const int H, int64_t m0,
                                                             const lowbit_linear *w, const lowbit_qact *a,
                                                             const uint8_t *tile, int64_t n0, int half0, float *y) {
     const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P, N = w->N;
     const __m256i low4 = _mm256_set1_epi8(15);
-    float *yr = y + m0 * N + n0 + 8 * half0;
-    for (int r = 0; r < R; r++)
-        for (int h = 0; h < H; h++) _mm256_storeu_ps(yr + r * N + 8 * h, _mm256_setzero_ps());
+    float *yr = zeroed_rows(y + m0 * N + n0 + 8 * half0, R, H, N);
     lowbit_group_walk walk = lowbit_walk(w, tile);
     for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
         const uint8_t *unit = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi) + 32 * half0;
@@ -286,9 +291,7 @@ static inline __attribute__((always_inline)) void int8_full(const int R, const i
                                                             const lowbit_linear *w, const lowbit_qact *a,
                                                             const uint8_t *tile, int64_t n0, int half0, float *y) {
     const int64_t G = w->K / w->group, nbg = w->group / 32, P = w->P, N = w->N;
-    float *yr = y + m0 * N + n0 + 8 * half0;
-    for (int r = 0; r < R; r++)
-        for (int h = 0; h < H; h++) _mm256_storeu_ps(yr + r * N + 8 * h, _mm256_setzero_ps());
+    float *yr = zeroed_rows(y + m0 * N + n0 + 8 * half0, R, H, N);
     lowbit_group_walk walk = lowbit_walk(w, tile);
     for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
         const uint8_t *unit = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi) + 32 * half0;
