@@ -68,7 +68,7 @@ def default_gguf() -> Path:
     same `lowbit pull` path users take (sha256-checked). LOWBIT_TEST_GGUF overrides it."""
     if os.environ.get("LOWBIT_TEST_GGUF"):
         return Path(os.environ["LOWBIT_TEST_GGUF"])
-    from lowbit.runtime.registry import DEFAULT_MODEL, resolve
+    from lowbit.runtime.load.registry import DEFAULT_MODEL, resolve
 
     return resolve(DEFAULT_MODEL)
 
@@ -76,7 +76,7 @@ def default_gguf() -> Path:
 @pytest.fixture(scope="session")
 def default_model(default_gguf):
     """The default model loaded once per session with `--weights auto` (lossless layouts)."""
-    from lowbit.runtime.loader import load
+    from lowbit.runtime.load.loader import load
 
     return load(str(default_gguf), "auto", progress=False)
 

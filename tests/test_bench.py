@@ -17,8 +17,8 @@ import httpx
 import numpy as np
 import pytest
 
-from lowbit.runtime.bench import RESULT_FIELDS, BenchConfig, bench, build_prompts
-from lowbit.runtime.bench_metrics import parse_slo
+from lowbit.runtime.bench.client import RESULT_FIELDS, BenchConfig, bench, build_prompts
+from lowbit.runtime.bench.metrics import parse_slo
 
 TTFT = [0.25, 0.5, 0.75, 1.0]  # seconds, request i's time to first content chunk
 D = 0.0625  # seconds between content chunks

@@ -1,6 +1,6 @@
 """`lowbit bench` as users run it (the CLI in a subprocess) against `lowbit serve` on the default
 model, at concurrency 1 and 4: every request succeeds and the result file has the documented
-fields (runtime/bench.py's RESULT_FIELDS, listed in the README) with sensible values."""
+fields (runtime/bench/client.py's RESULT_FIELDS, listed in the README) with sensible values."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_against_lowbit_serve(lowbit_server, tmp_path):
-    from lowbit.runtime.bench import RESULT_FIELDS
+    from lowbit.runtime.bench.client import RESULT_FIELDS
 
     base, _, _ = lowbit_server
     out = tmp_path / "result.json"

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from lowbit.runtime.chat_cli import start_local_server, stop_local_server
-from lowbit.runtime.cli import build_parser
+from lowbit.runtime.cli.chat import start_local_server, stop_local_server
+from lowbit.runtime.cli.main import build_parser
 from lowbit.tui.app import Bubble, ChatApp
 from lowbit.tui.client import ChatClient, Settings
 from lowbit.tui.store import ChatStore

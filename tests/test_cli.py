@@ -155,7 +155,7 @@ def empty_models(tmp_path_factory) -> Path:
 def default_models(tmp_path_factory, default_gguf) -> Path:
     """A model cache holding the default model under its alias's file name (a symlink: no copy, no
     download), whatever name LOWBIT_TEST_GGUF gave the file."""
-    from lowbit.runtime.registry import ALIASES, DEFAULT_MODEL
+    from lowbit.runtime.load.registry import ALIASES, DEFAULT_MODEL
 
     d = tmp_path_factory.mktemp("default-models")
     (d / ALIASES[DEFAULT_MODEL].filename).symlink_to(default_gguf.resolve())
@@ -176,7 +176,7 @@ def _truncated(src: Path, dst: Path, n: int) -> Path:
 def _tensor_info_cut(src: Path) -> tuple[int, str]:
     """A byte offset inside the tensor-info table of a GGUF (after the metadata, before the data),
     and the name of the tensor whose info it cuts."""
-    from lowbit.runtime.gguf_file import GGUFFile
+    from lowbit.runtime.load.gguf_file import GGUFFile
 
     f = GGUFFile(src)
     first = f.tensors[0].name
@@ -188,7 +188,7 @@ def _tensor_info_cut(src: Path) -> tuple[int, str]:
 
 def _first_tensor_past(src: Path, size: int) -> tuple[str, str]:
     """(name, type) of the first tensor, in table order, whose data ends past byte `size`."""
-    from lowbit.runtime.gguf_file import GGUFFile
+    from lowbit.runtime.load.gguf_file import GGUFFile
 
     t = next(t for t in GGUFFile(src).tensors if t.data_offset + t.n_bytes > size)
     return t.name, t.tensor_type.name
@@ -424,7 +424,7 @@ def test_info_default_model(default_models, default_gguf, work):
     m = re.search(r"bytes held by weight tensors: ([\d,]+)", out)
     assert m, out
     held = int(m.group(1).replace(",", ""))
-    from lowbit.runtime.gguf_loader import gguf_tensor_bytes
+    from lowbit.runtime.load.gguf import gguf_tensor_bytes
 
     # Q4_1/Q8_0 move in losslessly at their own size; the project's bound (test_exactness) allows
     # 10% on top for kernel-side copies (the tied Q8_0 head keeps bf16 scales beside the fp16 ones).
@@ -450,7 +450,7 @@ def test_hf_directory_runs_end_to_end(tiny_gguf, work, empty_models, tmp_path):
 
     import torch
 
-    from lowbit.runtime.tokenizer import Tokenizer
+    from lowbit.runtime.load.tokenizer import Tokenizer
 
     transformers = importlib.import_module("transformers")
     tok = Tokenizer.from_gguf(tiny_gguf)

@@ -439,7 +439,7 @@ def test_one_call_paged_step_equals_the_block_by_block_step(kv):
     block-by-block path gives; a step with a prefill chunk in it takes the block-by-block path."""
     from lowbit.models.attention import PagedAttention, PagedBatch
     from lowbit.quant.kv import KV_FORMATS
-    from lowbit.runtime.kv_cache import KVPool
+    from lowbit.runtime.engine.kv_cache import KVPool
 
     _kernels()
     model = _tiny_model("int4-g32")
@@ -490,7 +490,7 @@ def test_every_isa_and_an_avx2_only_build_give_the_same_logits(tmp_path, monkeyp
     from lowbit.kernels import cpu_native
     from lowbit.models.attention import PagedBatch
     from lowbit.quant.kv import KV_FORMATS
-    from lowbit.runtime.kv_cache import KVPool
+    from lowbit.runtime.engine.kv_cache import KVPool
 
     k = _kernels()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

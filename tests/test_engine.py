@@ -17,9 +17,9 @@ from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import KVCache, Llama
 from lowbit.models.synthetic import SMOLLM2_135M, random_weights
 from lowbit.quant.kv import KV_FORMATS
-from lowbit.runtime.engine import AsyncEngine, Engine
-from lowbit.runtime.kv_cache import KVPool
-from lowbit.runtime.sampler import SamplingParams
+from lowbit.runtime.engine.engine import AsyncEngine, Engine
+from lowbit.runtime.engine.kv_cache import KVPool
+from lowbit.runtime.engine.sampler import SamplingParams
 from tests.helpers import ByteTokenizer
 
 VOCAB = 101

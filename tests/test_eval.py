@@ -14,8 +14,8 @@ from lowbit.models.llama import KVCache, Llama
 from lowbit.models.synthetic import random_weights
 from lowbit.quant.kv import KV_FORMATS
 from lowbit.quant.linear import QuantLinear
-from lowbit.runtime.eval import Variant, evaluate, window_logprobs, windows
-from lowbit.runtime.kv_cache import KVPool
+from lowbit.runtime.eval.evaluate import Variant, evaluate, window_logprobs, windows
+from lowbit.runtime.engine.kv_cache import KVPool
 
 CFG = LlamaConfig(arch="llama", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256,
                   vocab_size=101, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256, tie_embeddings=False)

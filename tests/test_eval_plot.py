@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowbit.runtime.eval_plot import frontier, memory_bytes, plot
+from lowbit.runtime.eval.plot import frontier, memory_bytes, plot
 
 
 def test_frontier_by_hand():
@@ -45,7 +45,7 @@ def _doc(rows, ppl=20.0, ctx=512):
 def test_merge_keeps_each_pair_once_and_refuses_different_runs(tmp_path):
     import json
 
-    from lowbit.runtime.eval_plot import merge
+    from lowbit.runtime.eval.plot import merge
 
     a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
     a.write_text(json.dumps(_doc([("ref", "f16", 0.0), ("auto", "f16", 0.0), ("auto", "k8v4", 0.004)])))
@@ -61,7 +61,7 @@ def test_merge_keeps_each_pair_once_and_refuses_different_runs(tmp_path):
 def test_eval_plot_command_merges_runs_into_one_chart(tmp_path, capsys):
     import json
 
-    from lowbit.runtime.cli import main
+    from lowbit.runtime.cli.main import main
 
     def full(rows):  # rows as `lowbit eval --out` writes them
         doc = _doc(rows)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lowbit.models.llama import KVCache
-from lowbit.runtime.generate import generate
-from lowbit.runtime.sampler import Sampler, SamplingParams
+from lowbit.runtime.engine.generate import generate
+from lowbit.runtime.engine.sampler import Sampler, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +91,7 @@ def test_greedy_replies_match_reference(default_model, reference):
 
 
 def test_weight_memory_within_gguf_size(default_model, default_gguf):
-    from lowbit.runtime.gguf_loader import gguf_tensor_bytes
+    from lowbit.runtime.load.gguf import gguf_tensor_bytes
 
     held, file_bytes = default_model.weight_bytes, gguf_tensor_bytes(default_gguf)
     print(f"\nweight tensors hold {held:,} bytes; GGUF tensor data is {file_bytes:,} bytes ({held / file_bytes:.3f}x)")

@@ -12,9 +12,9 @@ import torch
 from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import KVCache, Llama
 from lowbit.models.synthetic import random_weights
-from lowbit.runtime.detokenizer import StreamDetokenizer
-from lowbit.runtime.generate import generate
-from lowbit.runtime.sampler import Sampler, SamplingParams
+from lowbit.runtime.engine.detokenizer import StreamDetokenizer
+from lowbit.runtime.engine.generate import generate
+from lowbit.runtime.engine.sampler import Sampler, SamplingParams
 
 VOCAB = 101
 

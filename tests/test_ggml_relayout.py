@@ -21,8 +21,8 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from lowbit.quant import FloatWeight, Int4Weight, Int8Weight, parse_weights, quantize_weight
 from lowbit.quant.ggml import load_matrix
-from lowbit.runtime.gguf_file import GGUFFile
-from lowbit.runtime.gguf_loader import load_gguf
+from lowbit.runtime.load.gguf_file import GGUFFile
+from lowbit.runtime.load.gguf import load_gguf
 
 LOSSLESS = {T.Q4_0: "int4-sym-g32", T.Q4_1: "int4-g32", T.Q8_0: "int8-g32"}
 REQUANTIZED = {T.Q4_K: "int4-g32", T.Q5_K: "int8-g32", T.Q6_K: "int8-g32", T.Q5_0: "int8-g32", T.Q5_1: "int8-g32"}

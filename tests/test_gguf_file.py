@@ -1,4 +1,4 @@
-"""runtime/gguf_file.py against gguf.GGUFReader (the oracle), plus every error path it names."""
+"""runtime/load/gguf_file.py against gguf.GGUFReader (the oracle), plus every error path it names."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gguf import GGUFValueType as V
 from gguf.quants import quantize
 
 from lowbit.runtime.errors import LowbitError
-from lowbit.runtime.gguf_file import GGUFFile
+from lowbit.runtime.load.gguf_file import GGUFFile
 
 
 def oracle_metadata(reader: GGUFReader) -> dict:

@@ -1,5 +1,6 @@
 """The import direction of DESIGN.md, checked by import-linter's contracts in pyproject.toml:
-runtime → models → quant → kernels, and tui imports nothing of ours (it speaks HTTP)."""
+runtime → models → quant → kernels; inside runtime, cli → server | bench | eval → engine → load,
+and bench imports none of the engine; tui imports nothing of ours (it speaks HTTP)."""
 
 import os
 import subprocess

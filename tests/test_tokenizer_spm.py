@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from lowbit.runtime.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Tokenizer
+from lowbit.runtime.load.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Tokenizer
 
 _WORDS = ("the quick brown fox jumps over lazy dog hello world token izer piece sentence running "
           "runner ing tion ation and or but café").split()

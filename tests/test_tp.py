@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU over gloo (runtime/tp.py, models/sharding.py): ranks started as users
+"""Tensor parallelism on CPU over gloo (runtime/engine/tp.py, models/sharding.py): ranks started as users
 start them, checked against the same model in one process.
 
 The oracle is the single-process model: each engine step's logits (recorded at forward_paged) must
@@ -23,11 +23,11 @@ import openai
 import pytest
 import torch
 
-from lowbit.runtime.engine import Engine
-from lowbit.runtime.loader import load
-from lowbit.runtime.sampler import SamplingParams
-from lowbit.runtime.speculative import SpecConfig
-from lowbit.runtime.tp import load_tp
+from lowbit.runtime.engine.engine import Engine
+from lowbit.runtime.load.loader import load
+from lowbit.runtime.engine.sampler import SamplingParams
+from lowbit.runtime.engine.speculative import SpecConfig
+from lowbit.runtime.engine.tp import load_tp
 from lowbit.runtime.ports import free_port
 from tests.test_cli import LOWBIT, N_HEADS, N_KV_HEADS, assert_one_line_error, write_tiny_gguf
 
@@ -229,7 +229,7 @@ def test_ranks_start_when_stderr_is_not_a_file(tmp_path):
     script = tmp_path / "tui_stderr.py"
     script.write_text(f'''
 import io, sys
-from lowbit.runtime.tp import load_tp
+from lowbit.runtime.engine.tp import load_tp
 
 class NoFile(io.StringIO):
     def fileno(self):

@@ -17,9 +17,9 @@ from lowbit.models.backend import select_backend, torch_backend, triton_backend
 from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import KVCache, Llama
 from lowbit.models.synthetic import random_weights
-from lowbit.runtime.cuda_graphs import GraphedDecode
-from lowbit.runtime.generate import generate
-from lowbit.runtime.sampler import Sampler, SamplingParams
+from lowbit.runtime.engine.cuda_graphs import GraphedDecode
+from lowbit.runtime.engine.generate import generate
+from lowbit.runtime.engine.sampler import Sampler, SamplingParams
 
 VOCAB = 101
 CFG = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
@@ -168,7 +168,7 @@ class _ByteTokenizer:
 def test_engine_on_the_triton_backend(device):
     """The paged engine runs on the Triton backend: with exact matmuls it gives the torch backend's
     greedy tokens for a batch of prompts, in k8v4."""
-    from lowbit.runtime.engine import Engine
+    from lowbit.runtime.engine.engine import Engine
 
     ref_model, model = _models(device)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -1,6 +1,6 @@
 """The KV cache's Triton kernels — quantize-on-write (kernels/kv_write.py) and paged attention over
 the quantized pages (kernels/paged_attention.py) — against their `_ref` specs, and the specs against
-the pool and attention the engine runs today (runtime/kv_cache.py, models/attention.py) and an
+the pool and attention the engine runs today (runtime/engine/kv_cache.py, models/attention.py) and an
 independent oracle (SDPA over contiguous K/V).
 
 On CPU the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without
@@ -25,7 +25,7 @@ from lowbit.kernels.paged_attention import batch_tensors, paged_attention, paged
 from lowbit.kernels.triton_import import interpreting
 from lowbit.models.attention import PagedAttention, PagedBatch
 from lowbit.quant.kv import KV_FORMATS, KVFormat
-from lowbit.runtime.kv_cache import KVPool
+from lowbit.runtime.engine.kv_cache import KVPool
 
 # (atol, rtol) of paged_attention's fp32 output against paged_attention_ref, by q's dtype. q of any
 # dtype is exact in fp32 and both sides widen it first, so the dtype changes the inputs, not the
@@ -57,7 +57,7 @@ def groups(fmt: KVFormat, D: int) -> tuple[int, int]:
 
 def alloc_side(P: int, Hkv: int, page: int, D: int, bits: int, group: int, gen: torch.Generator,
                device) -> dict[str, torch.Tensor]:
-    """One pool side in runtime/kv_cache.py's layout, filled with garbage — NaN scales and data, random
+    """One pool side in runtime/engine/kv_cache.py's layout, filled with garbage — NaN scales and data, random
     codes — so that a kernel reading a slot it should not shows up as NaN or a wrong value."""
     nan = lambda *s: torch.full(s, float("nan"), dtype=torch.float16, device=device)  # noqa: E731
     if bits == 16:

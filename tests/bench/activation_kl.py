@@ -29,9 +29,9 @@ import torch
 
 from lowbit.kernels.act_quant import Q8_MAX, Q16_MAX, act_fake_quant
 from lowbit.quant.linear import QuantLinear
-from lowbit.runtime.eval import Variant, evaluate, markdown_table
-from lowbit.runtime.loader import load
-from lowbit.runtime.registry import resolve
+from lowbit.runtime.eval.evaluate import Variant, evaluate, markdown_table
+from lowbit.runtime.load.loader import load
+from lowbit.runtime.load.registry import resolve
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def rounded_inputs(model, qmax: int | None, skip: tuple[str, ...] = ()):
 
 
 def variant(name: str, lm, qmax: int | None, skip: tuple[str, ...] = ()) -> Variant:
-    from lowbit.runtime.eval import window_logprobs
+    from lowbit.runtime.eval.evaluate import window_logprobs
 
     def logprobs(ids):
         with rounded_inputs(lm.model, qmax, skip):

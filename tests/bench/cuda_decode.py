@@ -4,7 +4,7 @@
                                       [--batches 1,4,16] [--reps 3] [--gen-tokens 256] [--out DIR]
     TRITON_INTERPRET=1 python tests/bench/cuda_decode.py --smoke --device cpu      (CPU: code paths only)
 
-Model: with --model, that GGUF through lowbit.runtime.loader.load (which needs the gguf and
+Model: with --model, that GGUF through lowbit.runtime.load.loader.load (which needs the gguf and
 platformdirs packages). Without it, SmolLM2-135M-Instruct's exact config and layouts — every block
 matrix int4-g32 (its GGUF's Q4_1), the tied embedding / LM head int8-g32 (Q8_0) — with seeded
 random weights (lowbit.models.synthetic): the GGUF (98 MB) cannot reach every GPU machine, and
@@ -88,14 +88,14 @@ def build(a, device: torch.device):
     """(model, config, tokenizer | None, description)."""
     if a.model:
         try:
-            from lowbit.runtime.loader import load
+            from lowbit.runtime.load.loader import load
         except ImportError as e:
-            sys.exit(f"--model needs lowbit.runtime.loader and its imports ({e}); pip install gguf platformdirs, "
+            sys.exit(f"--model needs lowbit.runtime.load.loader and its imports ({e}); pip install gguf platformdirs, "
                      "or carry their wheels in .whl/ for gpu_check.sh")
         try:
             lm = load(a.model, "auto", progress=False, device=a.device, dtype=a.dtype)
         except TypeError as e:
-            sys.exit(f"lowbit.runtime.loader.load does not take device/dtype yet: {e}")
+            sys.exit(f"lowbit.runtime.load.loader.load does not take device/dtype yet: {e}")
         return lm.model, lm.config, lm.tokenizer, f"{Path(a.model).name} (real weights, GGUF layouts)"
     from lowbit.models.synthetic import SMOLLM2_135M, random_weights
 
@@ -179,8 +179,8 @@ class Bench:
         print(f"decode B={B} {path}: {tok_s:.1f} tok/s aggregate ({1e3 * B / tok_s:.3f} ms/step)", flush=True)
 
     def generate(self, model, tokenizer, verify: bool) -> None:
-        from lowbit.runtime.generate import generate
-        from lowbit.runtime.sampler import Sampler, SamplingParams
+        from lowbit.runtime.engine.generate import generate
+        from lowbit.runtime.engine.sampler import Sampler, SamplingParams
 
         ids = tokenizer.encode(PROMPT)
         run = partial(generate, model, tokenizer, ids, sampler=Sampler(SamplingParams(temperature=0)),
@@ -205,8 +205,8 @@ def compile_only(a, model, cache: KVCache, prompt: torch.Tensor, eager, batches,
     for B in batches:
         decode_loop(eager, B, a.prefill, 1, model.config.vocab_size, prompt.device)
     if tokenizer is not None:
-        from lowbit.runtime.generate import generate
-        from lowbit.runtime.sampler import Sampler, SamplingParams
+        from lowbit.runtime.engine.generate import generate
+        from lowbit.runtime.engine.sampler import Sampler, SamplingParams
 
         for verify in (False, True):
             generate(model, tokenizer, tokenizer.encode(PROMPT), 4, Sampler(SamplingParams(temperature=0)),
@@ -286,10 +286,10 @@ def main(argv=None) -> int:
                    "config": {k: getattr(config, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                                               "hidden_dim", "vocab_size", "tie_embeddings")}}
     try:
-        from lowbit.runtime.cuda_graphs import GraphedDecode
+        from lowbit.runtime.engine.cuda_graphs import GraphedDecode
     except ImportError as e:
         GraphedDecode = None
-        res["errors"].append(f"lowbit.runtime.cuda_graphs: {e} (eager steps call model.decode directly)")
+        res["errors"].append(f"lowbit.runtime.engine.cuda_graphs: {e} (eager steps call model.decode directly)")
 
     with torch.inference_mode():
         cache = KVCache.empty(config, max(batches), a.prefill + a.steps, device)

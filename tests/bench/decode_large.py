@@ -103,7 +103,7 @@ def quantize(src: Path, dst: Path, quant: str, threads: int) -> None:
 
 
 def model_files(directory: Path, quants: list[str], threads: int) -> dict[str, Path]:
-    from lowbit.runtime.registry import resolve
+    from lowbit.runtime.load.registry import resolve
 
     directory.mkdir(parents=True, exist_ok=True)
     src = directory / "smollm2-1.7b-shapes.f16.gguf"
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     import llama_cpp
 
     from lowbit.kernels import cpu_native
-    from lowbit.runtime.loader import load
+    from lowbit.runtime.load.loader import load
 
     torch.set_num_threads(a.threads)
     files = model_files(a.dir or default_dir(), quants, a.threads)

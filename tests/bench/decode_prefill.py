@@ -25,7 +25,7 @@ engines' own counters.
 - decode, torch only: the contiguous loop with the C kernels hidden, so every matmul takes the
   plain-torch exact path (what runs where no C compiler is found; "ratio" is against llama.cpp as
   in every row); --torch-tokens steps (default 16: each dequantizes every weight, ~0.4 s).
-- decode verified greedy: lowbit.runtime.generate.generate(..., temperature 0, verify_greedy=True),
+- decode verified greedy: lowbit.runtime.engine.generate.generate(..., temperature 0, verify_greedy=True),
   the exact model's greedy reply drafted by the fused kernels; tok/s = its decode_tok_s (tokens
   after the first / first-to-last seconds; stops early at an end token, tokens reported). Its
   llama.cpp column is the same plain greedy decode as the row above (llama.cpp has no verify step).
@@ -83,8 +83,8 @@ def lowbit_decode(lm, prompt, n) -> float:
 
 
 def lowbit_engine_decode(lm, prompt, n) -> float:
-    from lowbit.runtime.engine import Engine
-    from lowbit.runtime.sampler import SamplingParams
+    from lowbit.runtime.engine.engine import Engine
+    from lowbit.runtime.engine.sampler import SamplingParams
     engine = Engine(lm.model, lm.tokenizer, kv_memory=64 << 20)
     engine.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
     engine.step()  # the prompt (and the first token)
@@ -106,8 +106,8 @@ def lowbit_decode_torch_kernels(lm, prompt, n) -> float:
 
 
 def lowbit_verified(lm, prompt, n) -> tuple[float, int]:
-    from lowbit.runtime.generate import generate
-    from lowbit.runtime.sampler import Sampler, SamplingParams
+    from lowbit.runtime.engine.generate import generate
+    from lowbit.runtime.engine.sampler import Sampler, SamplingParams
     r = generate(lm.model, lm.tokenizer, prompt, n, Sampler(SamplingParams(temperature=0)), verify_greedy=True)
     return r.decode_tok_s, len(r.token_ids)
 
@@ -146,8 +146,8 @@ def main(argv=None) -> int:
 
     import llama_cpp
 
-    from lowbit.runtime.loader import load
-    from lowbit.runtime.registry import resolve
+    from lowbit.runtime.load.loader import load
+    from lowbit.runtime.load.registry import resolve
 
     path = Path(a.model) if a.model else resolve("smollm2-135m")
     torch.set_num_threads(a.threads)

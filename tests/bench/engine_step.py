@@ -33,9 +33,9 @@ from decode_prefill import cpu_name  # noqa: E402
 
 from lowbit.kernels import cpu_native  # noqa: E402
 from lowbit.models import attention  # noqa: E402
-from lowbit.runtime.engine import Engine  # noqa: E402
-from lowbit.runtime.loader import load  # noqa: E402
-from lowbit.runtime.sampler import SamplingParams  # noqa: E402
+from lowbit.runtime.engine.engine import Engine  # noqa: E402
+from lowbit.runtime.load.loader import load  # noqa: E402
+from lowbit.runtime.engine.sampler import SamplingParams  # noqa: E402
 
 
 class _AttentionWithoutC:

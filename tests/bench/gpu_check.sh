@@ -89,7 +89,7 @@ install() {
         "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
             export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     fi
-    local check="import lowbit.kernels.wq_mm, lowbit.models.llama, lowbit.runtime.generate"
+    local check="import lowbit.kernels.wq_mm, lowbit.models.llama, lowbit.runtime.engine.generate"
     if PIP_NO_INDEX=1 "$PY" -m pip install --no-deps --no-build-isolation -e . -q && (cd /tmp && "$PY" -c "$check"); then
         echo "installed with pip install -e ."
         return 0

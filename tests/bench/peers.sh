@@ -26,7 +26,7 @@ mkdir -p "$OUT"
     echo "peers.sh: llama-cpp-python's server is missing: pip install sse_starlette starlette_context pydantic_settings" >&2
     exit 2
 }
-GGUF="$("$PY" -c "from lowbit.runtime.registry import resolve; print(resolve(None))")"
+GGUF="$("$PY" -c "from lowbit.runtime.load.registry import resolve; print(resolve(None))")"
 free_port() { "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 P_LOWBIT="$(free_port)"
 P_LLAMA="$(free_port)"

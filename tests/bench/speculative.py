@@ -32,11 +32,11 @@ import time
 
 import torch
 
-from lowbit.runtime.bench import DEFAULT_TEXT
-from lowbit.runtime.engine import Engine
-from lowbit.runtime.loader import load
-from lowbit.runtime.sampler import SamplingParams
-from lowbit.runtime.speculative import SpecConfig
+from lowbit.runtime.bench.client import DEFAULT_TEXT
+from lowbit.runtime.engine.engine import Engine
+from lowbit.runtime.load.loader import load
+from lowbit.runtime.engine.sampler import SamplingParams
+from lowbit.runtime.engine.speculative import SpecConfig
 
 
 def grounded_prompts(n: int) -> list[str]:

@@ -5,7 +5,7 @@ one process, in one run.
                                   [--threads T]
 
 Runs one greedy request (a WikiText prompt, then --decode-tokens tokens) through the engine twice:
-once with --tp N ranks (runtime/tp.py), once in one process, with the same threads in all. The ranks
+once with --tp N ranks (runtime/engine/tp.py), once in one process, with the same threads in all. The ranks
 talk over loopback TCP (gloo), and nothing else in this process uses loopback, so the bytes the
 kernel counts on `lo` (/proc/net/dev, Linux) during the tp run are the communication, headers
 included. Each step's rows (M tokens, R sampled) are recorded and the formula is summed over them:
@@ -70,7 +70,7 @@ def calibrate(world: int, d: int) -> float:
     [100 d] among `world` processes (barriers add a few messages: at most ~1%)."""
     import tempfile
 
-    from lowbit.runtime.tp import _free_port
+    from lowbit.runtime.engine.tp import _free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows")
@@ -83,8 +83,8 @@ def calibrate(world: int, d: int) -> float:
 
 def run(model, tok, ids, n, on_step=None) -> tuple[list[float], list[int]]:
     """One greedy request through the engine → (wall time of each step, tokens it emitted)."""
-    from lowbit.runtime.engine import Engine
-    from lowbit.runtime.sampler import SamplingParams
+    from lowbit.runtime.engine.engine import Engine
+    from lowbit.runtime.engine.sampler import SamplingParams
 
     engine = Engine(model, tok, kv_memory=64 << 20)
     engine.add_request(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -111,9 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="threads in all (default: all cores)")
     a = ap.parse_args(argv)
 
-    from lowbit.runtime import tp as tpmod
-    from lowbit.runtime.loader import load
-    from lowbit.runtime.registry import resolve
+    from lowbit.runtime.engine import tp as tpmod
+    from lowbit.runtime.load.loader import load
+    from lowbit.runtime.load.registry import resolve
 
     threads = a.threads or torch.get_num_threads()
     path = str(Path(a.model) if a.model else resolve(None))

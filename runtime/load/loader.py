@@ -15,8 +15,8 @@ from lowbit.models.llama import Llama
 from lowbit.models.sharding import Shard, TPGroup, shard_weights
 from lowbit.quant import parse_weights
 from lowbit.runtime.errors import LowbitError
-from lowbit.runtime.registry import resolve
-from lowbit.runtime.tokenizer import Tokenizer
+from lowbit.runtime.load.registry import resolve
+from lowbit.runtime.load.tokenizer import Tokenizer
 
 DEFAULT_HF_WEIGHTS = "int4-g32"
 
@@ -51,7 +51,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
     """weights: `auto` (GGUF: lossless native layouts; safetensors: int4-g32) or a layout name.
     device: auto (CUDA when there is a GPU and Triton) | cpu | cuda[:N]; dtype: the activations'
     on CUDA, float16 | bfloat16 (CPU computes in fp32). shard: build only this tensor-parallel
-    rank's slice of the model (models/sharding.py; runtime/tp.py starts the ranks)."""
+    rank's slice of the model (models/sharding.py; runtime/engine/tp.py starts the ranks)."""
     if progress is None:
         progress = sys.stderr.isatty()
     try:
@@ -66,7 +66,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
     except ValueError as e:
         raise LowbitError(str(e)) from None
     if path.is_dir():
-        from lowbit.runtime.safetensors_loader import load_hf_dir
+        from lowbit.runtime.load.safetensors import load_hf_dir
 
         spec = spec or parse_weights(DEFAULT_HF_WEIGHTS)
         try:
@@ -83,8 +83,8 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
             close()
         source, used = "safetensors", spec.name
     else:
-        from lowbit.runtime.gguf_file import GGUFFile
-        from lowbit.runtime.gguf_loader import load_gguf
+        from lowbit.runtime.load.gguf_file import GGUFFile
+        from lowbit.runtime.load.gguf import load_gguf
 
         gguf = GGUFFile(path)
         meta = gguf.metadata

@@ -1,5 +1,5 @@
 """`lowbit bench` and `lowbit bench plot` on the command line: flags, the console table, the result
-file. The measuring is runtime/bench.py's, the numbers' meaning runtime/bench_metrics.py's."""
+file. The measuring is runtime/bench/client.py's, the numbers' meaning runtime/bench/metrics.py's."""
 
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _config(args):
-    from lowbit.runtime.bench import DEFAULT_TEXT, BenchConfig
-    from lowbit.runtime.bench_metrics import parse_slo
+    from lowbit.runtime.bench.client import DEFAULT_TEXT, BenchConfig
+    from lowbit.runtime.bench.metrics import parse_slo
 
     for name in ("input_len", "output_len", "num_prompts"):
         if getattr(args, name) < 1:
@@ -131,7 +131,7 @@ def table(doc: dict) -> str:
 
 def cmd_bench(args) -> int:
     if getattr(args, "bench_command", None) == "plot":
-        from lowbit.runtime.bench_plot import plot
+        from lowbit.runtime.bench.plot import plot
 
         try:
             plot([Path(p) for p in args.results], Path(args.out))
@@ -139,13 +139,13 @@ def cmd_bench(args) -> int:
             raise LowbitError(f"cannot plot: {e}") from None
         print(args.out)
         return 0
-    from lowbit.runtime.bench import bench
+    from lowbit.runtime.bench.client import bench
 
     cfg = _config(args)
     tokenizer = None
     if cfg.tokenizer:
-        from lowbit.runtime.registry import resolve
-        from lowbit.runtime.tokenizer import Tokenizer
+        from lowbit.runtime.load.registry import resolve
+        from lowbit.runtime.load.tokenizer import Tokenizer
 
         path = resolve(cfg.tokenizer)
         tokenizer = Tokenizer.from_gguf(path) if Path(path).suffix == ".gguf" else Tokenizer.from_hf_dir(path)

@@ -13,10 +13,11 @@ import os
 import sys
 import threading
 
+from lowbit.runtime.cli.engine_args import add_engine_args, add_model_args
 from lowbit.runtime.ports import free_port
 
 
-def add_chat_parser(sub, add_model_args, add_engine_args) -> None:
+def add_chat_parser(sub) -> None:
     chat = sub.add_parser("chat", help="chat in the terminal (Textual app), streaming replies",
                           description="A terminal chat app. Without --base-url it loads MODEL and serves it "
                                       "in-process on a free loopback port; with --base-url it talks to any "
@@ -44,8 +45,8 @@ def start_local_server(args, failure: list) -> tuple[str, tuple]:
     its thread)): `stop_local_server` ends it."""
     import uvicorn
 
-    from lowbit.runtime.engine_args import check_engine_args, load_served, parse_size
-    from lowbit.runtime.server import build_app
+    from lowbit.runtime.cli.engine_args import check_engine_args, load_served, parse_size
+    from lowbit.runtime.server.app import build_app
 
     check_engine_args(args)
     kv_memory = parse_size(args.kv_memory)

@@ -3,10 +3,10 @@ stream-back steps).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503 while
 the model loads, 200 once it serves), GET /metrics (Prometheus text format).
-The route of a request: `RequestParser` (openai_request.py) turns the body into prompt ids and one
+The route of a request: `RequestParser` (server/request.py) turns the body into prompt ids and one
 SamplingParams per choice; each choice becomes an engine request (with its own grammar when
 response_format asks for JSON); their delta streams are merged and shaped by `Responder`
-(openai_response.py) into SSE chunks, or folded into one response. A client that goes away
+(server/response.py) into SSE chunks, or folded into one response. A client that goes away
 mid-stream closes the merged stream, which closes every choice's engine stream, and
 `AsyncEngine.generate`'s `finally` aborts those requests, freeing their KV pages.
 """
@@ -24,14 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lowbit.runtime.engine import AsyncEngine, Delta
-from lowbit.runtime.grammar import GrammarCompiler, GrammarError
-from lowbit.runtime.openai_errors import APIError, bad_request, install_error_handlers
-from lowbit.runtime.openai_request import CHAT_FIELDS, COMPLETION_FIELDS, Parsed, RequestParser
-from lowbit.runtime.openai_response import Responder
-from lowbit.runtime.sampler import SamplingParams
-from lowbit.runtime.scheduler import QueueFull
-from lowbit.runtime.server_metrics import ServerMetrics
+from lowbit.runtime.engine.engine import AsyncEngine, Delta
+from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
+from lowbit.runtime.server.errors import APIError, bad_request, install_error_handlers
+from lowbit.runtime.server.request import CHAT_FIELDS, COMPLETION_FIELDS, Parsed, RequestParser
+from lowbit.runtime.server.response import Responder
+from lowbit.runtime.engine.sampler import SamplingParams
+from lowbit.runtime.engine.scheduler import QueueFull
+from lowbit.runtime.server.metrics import ServerMetrics
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 
 from lowbit.models.attention import PagedBatch
 from lowbit.quant.kv import KV_FORMATS
-from lowbit.runtime.kv_cache import KVPool
+from lowbit.runtime.engine.kv_cache import KVPool
 
 PAGE = 16  # tokens per KV page
 
@@ -182,8 +182,8 @@ def llama_cpp_variants(gguf: str, kv_pairs: list[tuple[str, str]], config, ctx: 
 
 def decode_tps(model, tokenizer, kv: str, n: int = 32) -> float:
     """Single-stream decode tok/s through the engine (greedy, fast kernels), after a short prompt."""
-    from lowbit.runtime.engine import Engine
-    from lowbit.runtime.sampler import SamplingParams
+    from lowbit.runtime.engine.engine import Engine
+    from lowbit.runtime.engine.sampler import SamplingParams
 
     engine = Engine(model, tokenizer, kv_format=kv, kv_memory=16 << 20)
     engine.add_request(list(range(1, 17)), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))

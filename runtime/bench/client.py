@@ -6,7 +6,7 @@ the model to continue a passage of a text file; passages are picked with a fixed
 servers benched with the same flags get the same prompts. Load is either closed-loop (a fixed
 number of requests in flight: `--concurrency 1,4,16` runs one level after another) or open-loop
 (Poisson arrivals at `--request-rate`, seeded, optionally capped by `--max-concurrency`). Warm-up
-requests run first and are not counted. What the numbers mean: runtime/bench_metrics.py.
+requests run first and are not counted. What the numbers mean: runtime/bench/metrics.py.
 
 A request fails on an HTTP error, a transport error, or a 200 stream that carries `{"error": ...}`;
 failures are counted and their first messages listed, never dropped. No success at a level is a
@@ -26,10 +26,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from lowbit.runtime.bench_metrics import RequestResult, summarize
+from lowbit.runtime.bench.metrics import RequestResult, summarize
 from lowbit.runtime.errors import LowbitError
 
-DEFAULT_TEXT = Path(__file__).parent / "data" / "wikitext2_excerpt.txt"
+DEFAULT_TEXT = Path(__file__).parents[1] / "data" / "wikitext2_excerpt.txt"
 CHARS_PER_TOKEN = 4  # English text in BPE vocabularies, to size passages when no tokenizer is given
 # the documented fields of one load level in the result file (README "lowbit bench"), as vLLM names them
 RESULT_FIELDS = ("max_concurrency", "request_rate", "num_prompts", "duration", "completed", "failed", "errors",

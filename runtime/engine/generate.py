@@ -1,7 +1,7 @@
 """One prompt → streamed reply, with the numbers `lowbit run` prints (TTFT, decode tok/s).
 
 The simple single-sequence loop over the contiguous cache. `lowbit run` uses it for verified
-greedy replies; everything else goes through the paged engine (runtime/engine.py), until
+greedy replies; everything else goes through the paged engine (runtime/engine/engine.py), until
 speculative decoding moves verification there.
 
 Greedy decoding is *verified*: the fast kernels (on CPU lowbit's C kernels, 16-bit activation
@@ -23,9 +23,9 @@ from typing import Callable, Iterator
 import torch
 
 from lowbit.models.llama import KVCache, Llama
-from lowbit.runtime.cuda_graphs import GraphedDecode
-from lowbit.runtime.detokenizer import StreamDetokenizer
-from lowbit.runtime.sampler import Sampler, mask_padding
+from lowbit.runtime.engine.cuda_graphs import GraphedDecode
+from lowbit.runtime.engine.detokenizer import StreamDetokenizer
+from lowbit.runtime.engine.sampler import Sampler, mask_padding
 
 VERIFY_BLOCK = 16  # = EXACT_MIN_ROWS: one verify pass costs about one exact dequantization of the weights
 
@@ -49,7 +49,7 @@ Step = Callable[[int, int], torch.Tensor]  # (token, its position) → logits fp
 
 
 def decode_step(model: Llama, cache: KVCache) -> Step:
-    """One fast-kernel decode step. On CUDA it is replayed from a CUDA graph (runtime/cuda_graphs.py);
+    """One fast-kernel decode step. On CUDA it is replayed from a CUDA graph (runtime/engine/cuda_graphs.py);
     on CPU it is a plain forward of one token."""
     if model.device.type == "cuda":
         graphed = GraphedDecode(model, cache, buckets=(1,))

@@ -7,7 +7,7 @@ Every tensor's name and shape is checked against config.json before anything is 
 wrong or truncated checkpoint fails at once with one line naming file and tensor.
 
 HF keeps Q/K rows in rotate-half order, which is the model's own convention: no permutation here
-(GGUF `llama` files need one; see runtime/gguf_loader.py).
+(GGUF `llama` files need one; see runtime/load/gguf.py).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _open_all(path: Path, files: list[Path], stack: ExitStack) -> dict[str, Any]
 
 def load_hf_dir(path: Path, target: WeightSpec,
                 progress: Callable[[int], None] | None = None) -> tuple[LlamaConfig, dict, dict]:
-    """→ (LlamaConfig, weights dict, config.json dict). Weight names as runtime/gguf_loader.py:
+    """→ (LlamaConfig, weights dict, config.json dict). Weight names as runtime/load/gguf.py:
     embed, output (absent when tied), norm, and `layers.{i}.{attn_norm, ffn_norm, wq, wk, wv, wo,
     w_gate, w_up, w_down}` plus `bq, bk, bv` when the checkpoint has Q/K/V biases (Qwen2)."""
     path = Path(path)

@@ -63,7 +63,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = field(default=None, hash=False)  # token id → added logit
     seed: int | None = None  # None = a random seed per request
     max_tokens: int = 256
-    stop: tuple[str, ...] = ()  # stop strings, cut from the output (runtime/stop.py)
+    stop: tuple[str, ...] = ()  # stop strings, cut from the output (runtime/engine/stop.py)
     stop_token_ids: tuple[int, ...] = ()  # checked by the engine, like the end tokens
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives (0..20); None = no logprobs
@@ -298,7 +298,7 @@ def results(x: torch.Tensor, tokens: torch.Tensor, want: list[int | None]) -> li
 
 
 class Sampler:
-    """Single-sequence wrapper for runtime/generate.py: `sampler(logits[V]) -> token`. It records
+    """Single-sequence wrapper for runtime/engine/generate.py: `sampler(logits[V]) -> token`. It records
     its own tokens as the output, so presence/frequency/repetition penalties work across calls."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):

@@ -1,6 +1,6 @@
 """Stop strings over a text stream: matched across token boundaries and cut from the output.
 
-The detokenizer (runtime/detokenizer.py) hands over text in deltas of whole characters, and a stop
+The detokenizer (runtime/engine/detokenizer.py) hands over text in deltas of whole characters, and a stop
 string may straddle several of them ("\\n\\nUser:" arrives as "\\n", "\\nUser", ":"). So any tail of
 the text that could still grow into a stop string is held back, never emitted, until the next
 delta settles it: either a stop string completes (the text before it is released, the stop string

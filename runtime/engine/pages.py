@@ -1,6 +1,6 @@
 """Which KV page holds which token: free list, ref counts, block tables and the prefix cache.
 
-Pure Python, no torch: the pool's tensors live in runtime/kv_cache.py; this module only hands out
+Pure Python, no torch: the pool's tensors live in runtime/engine/kv_cache.py; this module only hands out
 page numbers 0..num_pages-1. A token at position p of a sequence lives in pool slot
 `table[p // page_size] * page_size + p % page_size` (page_size 16: position 37 of a sequence whose
 table is [5, 9, 2] is slot 2 * 16 + 5 = 37 of page 2's 16).
@@ -28,7 +28,7 @@ from collections import OrderedDict, deque
 _ROOT = 0  # key id of the empty prefix: the parent of every sequence's first page
 
 
-class BlockManager:
+class PageManager:
     def __init__(self, num_pages: int, page_size: int = 16, prefix_caching: bool = True):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages} and {page_size}")

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from lowbit.models.attention import PagedBatch
-from lowbit.runtime.block_manager import BlockManager
-from lowbit.runtime.kv_cache import KVPool
-from lowbit.runtime.sampler import SamplingState, draw, mask_padding, process_logits, truncated_probs
+from lowbit.runtime.engine.pages import PageManager
+from lowbit.runtime.engine.kv_cache import KVPool
+from lowbit.runtime.engine.sampler import SamplingState, draw, mask_padding, process_logits, truncated_probs
 
 MAX_K = 16  # drafts per pass: a target pass over 17 positions is still a decode-sized GEMM
 
@@ -159,7 +159,7 @@ class DraftProposer:
         self.model, self.vocab = model, vocab_size
         self.pool = KVPool.from_budget(kv_format, c.n_layers, c.n_kv_heads, c.head_dim, kv_bytes, page_size,
                                        model.device)
-        self.blocks = BlockManager(self.pool.num_pages, page_size, prefix_caching=False)
+        self.blocks = PageManager(self.pool.num_pages, page_size, prefix_caching=False)
         self.seen: dict[str, list[int]] = {}  # seq id → the tokens whose KV the draft pool holds
         self.generators: dict[str, torch.Generator] = {}
 

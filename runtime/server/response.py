@@ -16,9 +16,9 @@ import math
 import time
 from typing import AsyncIterator, Callable
 
-from lowbit.runtime.engine import Delta, Usage
-from lowbit.runtime.openai_errors import APIError
-from lowbit.runtime.openai_request import Parsed
+from lowbit.runtime.engine.engine import Delta, Usage
+from lowbit.runtime.server.errors import APIError
+from lowbit.runtime.server.request import Parsed
 
 
 def sse(obj: dict | str) -> bytes:

@@ -51,8 +51,8 @@ WATCH_S = 0.2  # how often rank 0 looks at the other ranks' processes
 def load_tp(ref: str | None, weights: str, tp: int, progress: bool | None = None, device: str = "auto",
             dtype: str = "float16", threads: int | None = None):
     """Load the model as `tp` ranks → a LoadedModel whose model is rank 0's TPModel."""
-    from lowbit.runtime.loader import load
-    from lowbit.runtime.registry import resolve
+    from lowbit.runtime.load.loader import load
+    from lowbit.runtime.load.registry import resolve
 
     if tp < 1:
         raise LowbitError(f"--tp must be >= 1, got {tp}")
@@ -246,8 +246,8 @@ def _worker(index: int, world: int, init: str, path: str, weights: str, dtype: s
             groups: list[list[int]] | None) -> None:
     """Rank index + 1: load its slice, then run the steps rank 0 broadcasts until told to stop."""
     from lowbit.quant.kv import parse_kv_format
-    from lowbit.runtime.kv_cache import KVPool
-    from lowbit.runtime.loader import load
+    from lowbit.runtime.engine.kv_cache import KVPool
+    from lowbit.runtime.load.loader import load
 
     rank = index + 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops the others

@@ -1,6 +1,6 @@
 """The KV pool: one preallocated set of pages per layer, in a KV format (quant/kv.py).
 
-Pages hold `page_size` tokens; the block manager (runtime/block_manager.py) decides which page and
+Pages hold `page_size` tokens; the page manager (runtime/engine/pages.py) decides which page and
 slot each token gets, this module only stores and reads. Per layer and side (K, V):
 
     f16   data   fp16  [P, Hkv, page, D]

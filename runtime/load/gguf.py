@@ -1,4 +1,4 @@
-"""GGUF file → (config, lowbit weights, metadata), memory-mapped (runtime/gguf_file.py).
+"""GGUF file → (config, lowbit weights, metadata), memory-mapped (runtime/load/gguf_file.py).
 
 Every tensor is checked before anything is converted (type supported, bytes inside the file), so a
 bad file fails in a second with one line naming file, tensor and type rather than half-way through.
@@ -15,7 +15,7 @@ from lowbit.models.config import LlamaConfig
 from lowbit.quant import WeightSpec
 from lowbit.quant.ggml import SUPPORTED, load_matrix, to_float_tensor
 from lowbit.runtime.errors import LowbitError
-from lowbit.runtime.gguf_file import GGUFFile
+from lowbit.runtime.load.gguf_file import GGUFFile
 
 
 def _check_tensors(f: GGUFFile) -> None:

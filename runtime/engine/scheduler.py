@@ -19,7 +19,7 @@ max_tokens) between any two steps. Pure Python, no torch. Policy of one `schedul
    to it) finishes with "length", like a request reaching the context length; `add` already
    refuses prompts longer than the pool, so such a sequence always has outputs. Nothing loops.
 
-Speculative decoding (runtime/speculative.py) appends several tokens and rolls back the rejected
+Speculative decoding (runtime/engine/speculative.py) appends several tokens and rolls back the rejected
 ones: the engine puts a sequence's k drafts into `output_ids` (`add_drafts`), the step schedules
 its last sampled token and the drafts as one decode chunk of k + 1 tokens (pass 1, whole or with
 the drafts dropped when the budget is short), the model scores every position, and before
@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from lowbit.runtime.block_manager import BlockManager
+from lowbit.runtime.engine.pages import PageManager
 
 
 class QueueFull(Exception):
@@ -89,7 +89,7 @@ class ScheduledSeq:
 class Scheduler:
     def __init__(
         self,
-        block_manager: BlockManager,
+        pages: PageManager,
         max_num_seqs: int = 16,
         max_step_tokens: int = 512,
         max_waiting: int = 256,
@@ -99,7 +99,7 @@ class Scheduler:
                 f"need 1 <= max_num_seqs <= max_step_tokens (every running sequence decodes each "
                 f"step), got {max_num_seqs} and {max_step_tokens}"
             )
-        self.bm = block_manager
+        self.bm = pages
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
         self.max_waiting = max_waiting

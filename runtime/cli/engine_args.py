@@ -1,9 +1,52 @@
-"""Engine flags into an engine: sizes (`--kv-memory 512MiB`), `--speculative` and its draft model,
+"""The model and engine flags, and the flags into an engine: sizes (`--kv-memory 512MiB`), `--speculative` and its draft model,
 and the loaded model + engine that `lowbit serve` and `lowbit chat` serve."""
 
 from __future__ import annotations
 
+import argparse
+
 from lowbit.runtime.errors import LowbitError
+from lowbit.runtime.load.registry import DEFAULT_MODEL
+
+WEIGHTS_HELP = ("weight layout: auto (GGUF: keep Q4_0/Q4_1/Q8_0 losslessly, requantize K-quants; "
+                "safetensors: int4-g32), int4-g32, int4-g64, int4-g128, int4-sym-g32/64/128, int8, "
+                "int8-g32/64/128, bf16, f16, f32, and on CPU bitsandbytes' bnb-nf4, bnb-int8")
+SPECULATIVE_HELP = ("speculative decoding: 'ngram,k=4' (prompt lookup: drafts copied from the request's own "
+                    "context, n=3 longest suffix), 'draft=MODEL,k=4' (a small model with the same vocabulary) or "
+                    "'draft=self:int4-g128,k=4' (a low-bit copy of this model's own weights); greedy replies stay "
+                    "exactly the same, sampled ones keep the model's distribution (default: off)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=f"alias, path to a .gguf, or a Hugging Face model directory (default: {DEFAULT_MODEL})")
+    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when a GPU and Triton are there, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
+                   help="activation dtype on CUDA (default float16; the CPU path computes in fp32)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: run the model as N processes, each holding a slice of every layer "
+                        "(CPU, gloo; the threads are split among them; see docs/tp.md). Default 1")
+
+
+def add_kv_args(p: argparse.ArgumentParser, speculative_help: str = SPECULATIVE_HELP) -> None:
+    """The KV-cache and speculation flags, which `run` takes too."""
+    p.add_argument("--kv-cache", default="k8v4", choices=("f16", "k8v8", "k8v4", "k4v4"),
+                   help="KV cache format of the paged engine (default k8v4: 8-bit keys, 4-bit values)")
+    p.add_argument("--kv-memory", default="256MiB",
+                   help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, or on CUDA a share "
+                        "of the free GPU memory like 90%% (default 256MiB)")
+    p.add_argument("--speculative", default=None, metavar="SPEC", help=speculative_help)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every engine flag: the KV and speculation flags plus batching and context limits."""
+    add_kv_args(p)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="most requests decoded together (default 16)")
+    p.add_argument("--ctx-size", type=int, default=None,
+                   help="most tokens per request, prompt and reply together (default: the model's context)")
 
 
 def parse_size(text: str) -> int | float:
@@ -33,7 +76,7 @@ def parse_speculative(text: str | None):
     """--speculative → SpecConfig or None (a one-line error for a bad value)."""
     if text is None:
         return None
-    from lowbit.runtime.speculative import SpecConfig
+    from lowbit.runtime.engine.speculative import SpecConfig
 
     try:
         return SpecConfig.parse(text)
@@ -47,7 +90,7 @@ def load_draft(spec, lm, device: str, dtype: str):
     the target's vocabulary (same token strings), or drafts would mean other tokens."""
     if spec is None or spec.method != "draft":
         return None
-    from lowbit.runtime.loader import load
+    from lowbit.runtime.load.loader import load
 
     ref, weights = spec.draft, "auto"
     if ref == "self" or ref.startswith("self:"):
@@ -68,20 +111,20 @@ def check_engine_args(args) -> None:
 
 
 def load_model(ref, args, progress: bool | None = None):
-    """The model the flags name: one process, or `--tp N` ranks (runtime/tp.py)."""
+    """The model the flags name: one process, or `--tp N` ranks (runtime/engine/tp.py)."""
     if getattr(args, "tp", 1) != 1:
-        from lowbit.runtime.tp import load_tp
+        from lowbit.runtime.engine.tp import load_tp
 
         return load_tp(ref, args.weights, args.tp, progress, args.device, args.dtype, args.threads)
-    from lowbit.runtime.loader import load
+    from lowbit.runtime.load.loader import load
 
     return load(ref, args.weights, progress=progress, device=args.device, dtype=args.dtype)
 
 
 def load_served(args, kv_memory, progress: bool | None = None):
     """Load the model and build its engine → what the server serves (`lowbit serve`, `lowbit chat`)."""
-    from lowbit.runtime.engine import AsyncEngine, Engine
-    from lowbit.runtime.server import Served
+    from lowbit.runtime.engine.engine import AsyncEngine, Engine
+    from lowbit.runtime.server.app import Served
 
     spec = parse_speculative(args.speculative)
     model_ref = args.model_pos or args.model

@@ -56,7 +56,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         from lowbit.runtime.errors import LowbitError
-        from lowbit.runtime.gguf_file import GGUFFile
+        from lowbit.runtime.load.gguf_file import GGUFFile
 
         path = Path(path)
         if not path.is_file():

@@ -4,12 +4,33 @@ from __future__ import annotations
 
 import sys
 
-from lowbit.runtime.engine_args import load_draft, load_model, parse_size, parse_speculative
+from lowbit.runtime.cli.engine_args import (SPECULATIVE_HELP, add_kv_args, add_model_args, load_draft, load_model,
+                                            parse_size, parse_speculative)
 from lowbit.runtime.errors import LowbitError
 
 
+def add_run_parser(sub) -> None:
+    run = sub.add_parser("run", help="answer one prompt, streaming the reply to stdout",
+                         description="Render the prompt with the model's chat template, stream the reply "
+                                     "to stdout, then print one stats line on stderr.")
+    run.add_argument("prompt", nargs="?", help="the user message (read from stdin when omitted)")
+    add_model_args(run)
+    run.add_argument("--system", default=None, help="system prompt")
+    run.add_argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate (default 256)")
+    run.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    run.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    run.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default)")
+    run.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    run.add_argument("--fast-greedy", action="store_true",
+                     help="with --temperature 0, skip the exact verification of greedy tokens (faster; the fast "
+                          "kernels' rounding may then pick the other token of a near-tie)")
+    add_kv_args(run, SPECULATIVE_HELP + "; with --temperature 0 the reply goes through the engine, as with "
+                                        "--fast-greedy")
+
+
 def cmd_run(args) -> int:
-    from lowbit.runtime.sampler import SamplingParams
+    from lowbit.runtime.engine.sampler import SamplingParams
 
     prompt = args.prompt if args.prompt is not None else ("" if sys.stdin.isatty() else sys.stdin.read())
     if not prompt.strip():
@@ -67,10 +88,10 @@ def cmd_run(args) -> int:
 
 
 def _verified_greedy(lm, ids, max_tokens, write):
-    """Greedy with every token checked by the exact model (runtime/generate.py). It still runs on the
+    """Greedy with every token checked by the exact model (runtime/engine/generate.py). It still runs on the
     contiguous fp32 cache: moving verification into the engine is speculative decoding's job."""
-    from lowbit.runtime.generate import generate
-    from lowbit.runtime.sampler import Sampler, SamplingParams
+    from lowbit.runtime.engine.generate import generate
+    from lowbit.runtime.engine.sampler import Sampler, SamplingParams
 
     return generate(lm.model, lm.tokenizer, ids, max_tokens, Sampler(SamplingParams(temperature=0)), on_text=write)
 
@@ -79,8 +100,8 @@ def _engine_run(lm, ids, params, kv_format, kv_memory, write, spec=None, draft=N
     """One request through the paged engine, streamed → (result, speculative stats or None)."""
     import time
 
-    from lowbit.runtime.engine import Engine
-    from lowbit.runtime.generate import GenerationResult
+    from lowbit.runtime.engine.engine import Engine
+    from lowbit.runtime.engine.generate import GenerationResult
 
     engine = Engine(lm.model, lm.tokenizer, kv_format=kv_format, kv_memory=kv_memory, speculative=spec,
                     draft_model=draft)

@@ -13,9 +13,9 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lowbit.runtime.grammar import GrammarCompiler, GrammarError
-from lowbit.runtime.openai_errors import APIError, bad_request, context_exceeded
-from lowbit.runtime.sampler import MAX_LOGPROBS, SamplingParams
+from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
+from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
+from lowbit.runtime.engine.sampler import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("lowbit.server")
 

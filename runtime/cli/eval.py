@@ -1,5 +1,5 @@
 """`lowbit eval` on the command line: flags, loading the reference and each weight layout, the table
-and the JSON file. The measuring is runtime/eval.py's."""
+and the JSON file. The measuring is runtime/eval/evaluate.py's."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def add_eval_parser(sub) -> None:
 
 
 def _cmd_plot(args) -> int:
-    from lowbit.runtime.eval import Row, markdown_table
-    from lowbit.runtime.eval_plot import merge, plot
+    from lowbit.runtime.eval.evaluate import Row, markdown_table
+    from lowbit.runtime.eval.plot import merge, plot
 
     try:
         doc, rows = merge([Path(p) for p in args.results])
@@ -67,9 +67,9 @@ def cmd_eval(args) -> int:
     if getattr(args, "eval_command", None) == "plot":
         return _cmd_plot(args)
     from lowbit.quant.kv import KV_FORMATS
-    from lowbit.runtime.bench import DEFAULT_TEXT
-    from lowbit.runtime.eval import Variant, decode_tps, evaluate, markdown_table
-    from lowbit.runtime.loader import load
+    from lowbit.runtime.bench.client import DEFAULT_TEXT
+    from lowbit.runtime.eval.evaluate import Variant, decode_tps, evaluate, markdown_table
+    from lowbit.runtime.load.loader import load
 
     weights = [w.strip() for w in args.weights.split(",") if w.strip()]
     kvs = [k.strip() for k in args.kv.split(",") if k.strip()]
@@ -94,7 +94,7 @@ def cmd_eval(args) -> int:
         loaded[w] = lm
         variants += [Variant(w, kv, lm.model, lm.weight_bytes) for kv in kvs]
     if args.peer == "llama.cpp":
-        from lowbit.runtime.eval import LLAMA_CPP_KV, llama_cpp_variants
+        from lowbit.runtime.eval.evaluate import LLAMA_CPP_KV, llama_cpp_variants
 
         if reference.source != "gguf":
             raise LowbitError("--peer llama.cpp needs a GGUF model")
@@ -129,7 +129,7 @@ def cmd_eval(args) -> int:
     doc = {"model": str(reference.path), "text": str(text_path), "ctx": args.ctx, "windows": n_windows,
            "reference": base, "rows": [r.as_dict() for r in rows]}
     if args.plot:
-        from lowbit.runtime.eval_plot import plot
+        from lowbit.runtime.eval.plot import plot
 
         title = f"{reference.path.name} on {text_path.name}: {n_windows} windows of {args.ctx} tokens"
         best = plot(doc["rows"], Path(args.plot), args.plot_ctx, args.plot_batch, title + " (filled: on the frontier)")

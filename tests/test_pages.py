@@ -1,27 +1,27 @@
-"""Block manager: slots, exhaustion, ref counts, prefix sharing, eviction, truncation.
+"""Page manager: slots, exhaustion, ref counts, prefix sharing, eviction, truncation.
 
-Pure Python (no torch). Every BlockManager here checks its invariants after each public call and,
+Pure Python (no torch). Every PageManager here checks its invariants after each public call and,
 at the end of every test, must have handed every page back."""
 
 import random
 
 import pytest
 
-from lowbit.runtime.block_manager import BlockManager
+from lowbit.runtime.engine.pages import PageManager
 
 
-class CheckedBlockManager(BlockManager):
+class CheckedPageManager(PageManager):
     """Runs check_invariants() after every public call."""
 
 
 for _name in ("match_prefix", "append_slots", "commit", "truncate", "free"):
 
-    def _checked(self, *args, _method=getattr(BlockManager, _name), **kwargs):
+    def _checked(self, *args, _method=getattr(PageManager, _name), **kwargs):
         out = _method(self, *args, **kwargs)
         self.check_invariants()
         return out
 
-    setattr(CheckedBlockManager, _name, _checked)
+    setattr(CheckedPageManager, _name, _checked)
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def make_bm():
     made = []
 
     def make(num_pages, page_size=4, prefix_caching=True):
-        made.append(CheckedBlockManager(num_pages, page_size, prefix_caching))
+        made.append(CheckedPageManager(num_pages, page_size, prefix_caching))
         return made[-1]
 
     yield make

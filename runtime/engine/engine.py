@@ -5,7 +5,7 @@ scheduler.postprocess(batch, out)`, here `Engine.step()`. Requests join and leav
 each step's sampled tokens come back as `Delta`s (text, ids, logprobs, finish reason, usage).
 `AsyncEngine` runs steps on a background thread and hands each request an async stream.
 
-With a speculator (runtime/speculative.py) a step first asks it for drafts for every sequence
+With a speculator (runtime/engine/speculative.py) a step first asks it for drafts for every sequence
 ready to decode, runs each such sequence's pending token and drafts as one chunk, verifies the
 drafts against the target's logits at every position of the chunk, and emits the accepted run
 plus the target's own token: one step may then stream several tokens of a request.
@@ -22,13 +22,13 @@ import torch
 from lowbit.models.attention import PagedBatch
 from lowbit.quant.kv import DEFAULT_KV_FORMAT, parse_kv_format
 from lowbit.quant.linear import ExactRows
-from lowbit.runtime.block_manager import BlockManager
-from lowbit.runtime.detokenizer import StreamDetokenizer
-from lowbit.runtime.kv_cache import KVPool
-from lowbit.runtime.sampler import SampleResult, SamplingParams, SamplingState, mask_padding, results, sample_batch
-from lowbit.runtime.scheduler import ScheduledSeq, Scheduler, Sequence
-from lowbit.runtime.speculative import MAX_K, DraftProposer, NgramProposer, Proposal, SpecConfig, SpecStats, verify
-from lowbit.runtime.stop import StopMatcher
+from lowbit.runtime.engine.pages import PageManager
+from lowbit.runtime.engine.detokenizer import StreamDetokenizer
+from lowbit.runtime.engine.kv_cache import KVPool
+from lowbit.runtime.engine.sampler import SampleResult, SamplingParams, SamplingState, mask_padding, results, sample_batch
+from lowbit.runtime.engine.scheduler import ScheduledSeq, Scheduler, Sequence
+from lowbit.runtime.engine.speculative import MAX_K, DraftProposer, NgramProposer, Proposal, SpecConfig, SpecStats, verify
+from lowbit.runtime.engine.stop import StopMatcher
 
 DEFAULT_KV_MEMORY = 256 << 20  # bytes: 28,137 tokens of the default model in k8v4 (9,540 B/token)
 
@@ -90,7 +90,7 @@ class Engine:
         # model.kv_heads: the heads this process caches (all of them, or one tensor-parallel rank's share)
         self.pool = KVPool.from_budget(parse_kv_format(kv_format), c.n_layers, model.kv_heads, c.head_dim,
                                        kv_budget(kv_memory, model.device), page_size, model.device)
-        self.blocks = BlockManager(self.pool.num_pages, page_size, prefix_caching)
+        self.blocks = PageManager(self.pool.num_pages, page_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_step_tokens, max_waiting)
         self.requests: dict[str, _Request] = {}
         self._ids = 0
@@ -112,7 +112,7 @@ class Engine:
     def add_request(self, prompt: list[int] | list[dict], params: SamplingParams, request_id: str | None = None,
                     grammar=None, spec_k: int | None = None) -> str:
         """Queue a request: token ids, or chat messages ({"role", "content"} dicts) rendered with the
-        model's chat template; `grammar` (runtime/grammar.py) constrains its tokens (and turns
+        model's chat template; `grammar` (runtime/engine/grammar.py) constrains its tokens (and turns
         speculation off for it); spec_k: most drafts per step for this request (default: the
         engine's k; 0: none). Raises
         scheduler.QueueFull when the waiting queue is at its bound, and ValueError for a prompt the

@@ -1,0 +1,5 @@
+import sys
+
+from lowbit.runtime.cli.main import main
+
+sys.exit(main())

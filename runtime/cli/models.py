@@ -1,0 +1,61 @@
+"""`lowbit pull`, `lowbit models` and `lowbit info`: the model cache and what a model holds."""
+
+from __future__ import annotations
+
+import sys
+
+from lowbit.runtime.cli.engine_args import WEIGHTS_HELP
+from lowbit.runtime.load.registry import DEFAULT_MODEL
+
+
+def add_models_parsers(sub) -> None:
+    pull = sub.add_parser("pull", help="download a model into the model cache",
+                          description="Fetch a model by alias and verify its sha256. The cache is "
+                                      "$LOWBIT_MODELS or the user cache directory.")
+    pull.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"alias (default: {DEFAULT_MODEL})")
+
+    sub.add_parser("models", help="list cached models with format and size",
+                   description="List the models in the model cache ($LOWBIT_MODELS or the user cache dir).")
+
+    info = sub.add_parser("info", help="show a model's config, layouts and memory",
+                          description="Load a model and print its architecture, weight layouts and bytes held.")
+    info.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="alias, .gguf path or HF directory")
+    info.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
+    info.add_argument("--device", default="cpu", help="where to load it: cpu (default), cuda or cuda:N")
+    info.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"), help="activation dtype on CUDA")
+
+
+def cmd_pull(args) -> int:
+    from lowbit.runtime.load.registry import pull
+
+    path = pull(args.model, progress=lambda s: print(f"lowbit: {s}", file=sys.stderr))
+    print(path)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from lowbit.runtime.load.registry import list_models, models_dir
+
+    rows = list_models()
+    if not rows:
+        print(f"no models in {models_dir()} (run: lowbit pull)", file=sys.stderr)
+        return 0
+    print(f"{'NAME':<24} {'FORMAT':<12} {'SIZE':>10}  PATH")
+    for m in rows:
+        print(f"{m.name:<24} {m.format:<12} {m.size / 1e6:>8.1f}MB  {m.path}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from lowbit.runtime.load.loader import load
+
+    lm = load(args.model, args.weights, device=args.device, dtype=args.dtype)
+    c = lm.config
+    layouts = sorted({m.spec_name for m in lm.model.modules() if hasattr(m, "spec_name")})
+    print(f"path: {lm.path}\nformat: {lm.source}\narchitecture: {c.arch}\n"
+          f"layers {c.n_layers}, dim {c.dim}, heads {c.n_heads}/{c.n_kv_heads} (q/kv), head_dim {c.head_dim}, "
+          f"hidden {c.hidden_dim}, vocab {c.vocab_size}, context {c.max_seq_len}, tied embeddings {c.tie_embeddings}\n"
+          f"weights: {lm.weights} (layouts: {', '.join(layouts)})\n"
+          f"device: {lm.model.device} ({lm.model.backend.name} kernels)\n"
+          f"bytes held by weight tensors: {lm.weight_bytes:,}\nload time: {lm.load_seconds:.2f} s")
+    return 0

@@ -1,0 +1,77 @@
+"""`lowbit serve`: the OpenAI-compatible HTTP port, answering 503 until the model is loaded."""
+
+from __future__ import annotations
+
+import os
+
+from lowbit.runtime.cli.engine_args import add_engine_args, add_model_args, check_engine_args, load_served, parse_size
+from lowbit.runtime.errors import LowbitError
+
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="serve the model on an OpenAI-compatible HTTP port",
+                           description="Load the model and serve /v1/chat/completions, /v1/completions and "
+                                       "/v1/models (OpenAI's API) plus /health. Point OpenAI clients at the "
+                                       "logged base URL (OPENAI_BASE_URL).")
+    serve.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                       help="alias, .gguf path or HF directory (same as --model)")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' (default: $LOWBIT_API_KEY; none when unset)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send and /v1/models lists (default: the model's file name)")
+    add_engine_args(serve)
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="log level (default info)")
+
+
+def cmd_serve(args) -> int:
+    import logging
+    import threading
+
+    try:
+        import uvicorn
+
+        from lowbit.runtime.server.app import build_app
+    except ImportError as e:
+        raise LowbitError(f"`lowbit serve` needs fastapi and uvicorn ({e})") from None
+    if not 0 < args.port < 65536:
+        raise LowbitError(f"--port must be in 1..65535, got {args.port}")
+    check_engine_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("lowbit.server")
+    kv_memory = parse_size(args.kv_memory)
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("LOWBIT_API_KEY") or None)
+    app = build_app(None, api_key)  # answers 503 (GET /health too) until the model is loaded
+    url = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
+    failure: list[BaseException] = []
+
+    def load_and_serve(server: uvicorn.Server) -> None:
+        try:
+            served = load_served(args, kv_memory)
+            app.state.lowbit.ready(served)
+            log.info("serving %s at %s (export OPENAI_BASE_URL=%s)%s", served.model_name, url, url,
+                     "" if api_key else "; no API key required")
+        except BaseException as e:  # noqa: BLE001 - reported by cmd_serve once uvicorn has stopped
+            failure.append(e)
+            server.should_exit = True
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # the port is ours: load now, answering /health with 503 meanwhile
+                log.info("loading the model; %s/health answers 503 until it is ready", url.removesuffix("/v1"))
+                threading.Thread(target=load_and_serve, args=(self,), name="lowbit-load", daemon=True).start()
+
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server.run()
+    if failure:
+        e = failure[0]
+        if isinstance(e, LowbitError):
+            raise e
+        raise LowbitError(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}") from e
+    if not server.started:
+        raise LowbitError(f"could not listen on {args.host}:{args.port} (is the port in use?)")
+    return 0
