@@ -6,11 +6,11 @@ Precision: the residual stream is fp32 (its add is fused into the next norm), at
 cache are fp32. Between kernels, activations are fp32 on CPU and fp16/bf16 on CUDA. The
 weight-only matmuls on CPU are exact for 16+ rows (prefill) and go through bf16 fused kernels for
 fewer (decode); `exact=True` forces exact fp32 everywhere, on CUDA too (see kernels/int4_mm.py,
-kernels/wq_mm.py and runtime/generate.py's verified greedy).
+kernels/wq_mm.py and runtime/engine/generate.py's verified greedy).
 
 Activations run token-major, [M, dim] with M = B * T, which is the shape every kernel takes.
 
-Under tensor parallelism (`--tp N`, runtime/tp.py) each process builds this model from its slices of
+Under tensor parallelism (`--tp N`, runtime/engine/tp.py) each process builds this model from its slices of
 the weights (models/sharding.py): its blocks compute its heads and MLP columns, `wo` and `w_down`
 are all-reduced, the embedding rows are summed over ranks and the logits gathered on rank 0.
 """
@@ -135,7 +135,7 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Built from a config and a dict of weight layouts (names as runtime/gguf_loader.py gives),
+    """Built from a config and a dict of weight layouts (names as runtime/load/gguf.py gives),
     on the backend's device. With `tp`, the weights are one rank's slices (models/sharding.py) and
     forward passes all-reduce and gather across the group; `config` stays the whole model's."""
 
@@ -196,7 +196,7 @@ class Llama(nn.Module):
     def forward_paged(self, tokens: torch.Tensor, batch: PagedBatch, pool,
                       exact: bool | None | ExactRows = None) -> torch.Tensor:
         """The engine's step: tokens int [M] of several sequences (see PagedBatch), K/V written to
-        and read from the paged pool (runtime/kv_cache.py) → logits fp32 [R, V] for batch.logits_rows."""
+        and read from the paged pool (runtime/engine/kv_cache.py) → logits fp32 [R, V] for batch.logits_rows."""
         cos, sin = rope_tables(self.inv_freq, batch.positions)  # [M, D]
         attend = PagedAttention(pool, batch, self.config.sliding_window, fused=self.backend.fused_paged_attention)
         return self._run(tokens, cos, sin, attend, batch.logits_rows, exact)

@@ -1,6 +1,6 @@
 """Tensor parallelism, the model's side: which slice of every weight a rank holds, and the
 collectives the forward pass calls (models/llama.py). Starting the ranks, sending them each step
-and noticing a dead one is runtime/tp.py's job.
+and noticing a dead one is runtime/engine/tp.py's job.
 
 N ranks, rank r. With H query heads, Hkv KV heads, head size D, MLP width F and vocabulary V:
 
@@ -97,7 +97,7 @@ def check_split(c: LlamaConfig, world: int, group_of) -> None:
 
 
 def shard_weights(c: LlamaConfig, weights: dict, shard: Shard) -> dict:
-    """The loaded weight dict (runtime/gguf_loader.py's names) → this rank's slices (contiguous copies)."""
+    """The loaded weight dict (runtime/load/gguf.py's names) → this rank's slices (contiguous copies)."""
     r, N = shard.rank, shard.world
     check_split(c, N, lambda name: _group(weights[f"layers.0.{name}"]))
     out = {}

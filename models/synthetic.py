@@ -20,7 +20,7 @@ SMOLLM2_135M = LlamaConfig(arch="llama", dim=576, n_layers=30, n_heads=9, n_kv_h
 
 def random_weights(config: LlamaConfig, weights: str = "int4-g32", embed: str = "int8-g32", seed: int = 0,
                    scale: float = 0.4) -> dict[str, Weight | torch.Tensor]:
-    """A weight dict named as runtime/gguf_loader.py names it: N(0, scale^2) matrices quantized to
+    """A weight dict named as runtime/load/gguf.py names it: N(0, scale^2) matrices quantized to
     `weights` (blocks) and `embed` (the embedding table, and the LM head unless tied)."""
     c = config
     g = torch.Generator().manual_seed(seed)
