@@ -148,10 +148,11 @@ class FusedLayers:
 
     def _side_arrays(self, kernels, k_sides: list, v_sides: list, D: int):
         """The pool's per-layer descriptors, built on the first step over a pool and kept while steps
-        keep coming over the same one (60 sides took ~0.3 ms a step to describe)."""
+        keep coming over the same one (60 sides took ~0.3 ms a step to describe). A pool hands out one
+        KVSide object per layer and side for its lifetime, so the same objects mean the same tensors."""
         held = self._sides
         if held is None or held[0] is not kernels or len(held[1]) != len(k_sides) or any(
-                a[2] is not b[2] or a[:2] != b[:2] for a, b in zip(held[1] + held[2], k_sides + v_sides)):
+                a is not b for a, b in zip(held[1] + held[2], k_sides + v_sides)):
             held = self._sides = (kernels, list(k_sides), list(v_sides), kernels.side_array(k_sides, D),
                                   kernels.side_array(v_sides, D))
         return held[3], held[4]
@@ -161,7 +162,7 @@ class FusedLayers:
                      attn_rot: torch.Tensor | None, c_args: tuple, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step of one-token rows over the paged pool in one C call (cpu_block.c
         lowbit_decode_paged_layers): delta fp32 [M, dim] (the embeddings; overwritten), cos/sin fp32
-        [M, D], slots int64 [M], the pool's page size and its sides per layer as (bits, group, tensors), c_args = (ctx,
+        [M, D], slots int64 [M], the pool's page size and its KVSides per layer, c_args = (ctx,
         tables, toff) int64 as models/attention.py plans them → (last block's output, residual)."""
         d = self.blocks[0].desc
         M = _check_rows(delta, cos, sin, self.dim, d.head_dim)

@@ -1,11 +1,26 @@
-/* The C kernels' shared descriptors and the functions one file calls in another (cpu_wq_mm.c,
- * cpu_wq_tiles.c, cpu_block.c, cpu_attention.c are built into one library by kernels/cpu_native.py,
- * which mirrors these structs with ctypes). */
+/* The C kernels' shared descriptors, the functions one file calls in another, and every function
+ * the library exports (cpu_wq_mm.c, cpu_wq_tiles.c, cpu_block.c, cpu_attention.c are built into one
+ * library by kernels/cpu_native.py, which binds the exports and mirrors the structs with ctypes).
+ * Each file includes this one and the build has -Werror=missing-prototypes, so a non-static
+ * function without its prototype here fails to build and every definition is checked against it. */
 #ifndef LOWBIT_CPU_KERNELS_H
 #define LOWBIT_CPU_KERNELS_H
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+
+/* The ABI kernels/cpu_native.py binds, checked when it loads the library: this version against its
+ * own ABI_VERSION (bump both when an export's signature or meaning changes: ctypes cannot see a
+ * prototype), and the sizeof and each field's offset and size of every struct it mirrors against
+ * lowbit_abi_layout (cpu_wq_mm.c), so a change on one side only refuses the library instead of
+ * corrupting memory. */
+#define LOWBIT_ABI_VERSION 1
+
+int lowbit_abi_version(void);  /* LOWBIT_ABI_VERSION */
+/* The layout of the structs cpu_native.py mirrors, one entry per struct ("lowbit_block": offset 0,
+ * its sizeof) and per field ("lowbit_block.eps": offsetof, sizeof): writes the first `cap` entries
+ * (names: static strings) and returns how many there are. */
+int64_t lowbit_abi_layout(const char **names, int64_t *offsets, int64_t *sizes, int64_t cap);
 
 /* Instruction sets a matmul can run on (cpu_wq_tiles.c is compiled once per set the CPU has). Every
  * one gives the same bits: the block sums are exact integers and the fp32 epilogue is one source. */
@@ -115,6 +130,11 @@ typedef struct {
     uint16_t *scales, *mins;
 } lowbit_kv_side;
 
+/* cpu_wq_mm.c: whether the CPU runs the library (AVX2 + FMA), which instruction sets it has. */
+int lowbit_native_ok(void);
+int lowbit_isa_available(int64_t isa);
+int64_t lowbit_isa_best(void);
+
 /* cpu_wq_mm.c: activation quantization and the matmul, as parts of a parallel region ("team": every
  * thread of the region calls it; it shares the work out and ends in a barrier) or standalone. */
 size_t lowbit_qact_bytes(int64_t M, int64_t K);
@@ -125,6 +145,11 @@ void lowbit_quantize_rows_serial(const float *x, int64_t sx, lowbit_qact *a);
 int lowbit_linear_check(const lowbit_linear *w, int64_t isa);
 void lowbit_linear_team(const lowbit_ctx *c, const lowbit_linear *w, const lowbit_qact *a, float *y);
 int lowbit_linear_mm(const lowbit_ctx *c, const lowbit_linear *w, const float *x, int64_t M, float *y);
+
+/* cpu_wq_mm.c: the exact path's dequantized weight tiles and the int8 embedding lookup. */
+int lowbit_int4_dequant_t(const lowbit_linear *w, int64_t n0, int64_t n1, float *out, int nthreads);
+int lowbit_int8_dequant(const lowbit_linear *w, int64_t n0, int64_t n1, float *out, int nthreads);
+int lowbit_int8_rows(const lowbit_linear *w, const int64_t *ids, int64_t n, float *out);
 
 /* cpu_wq_tiles.c, one set per instruction set: output tiles [t0, t1) of y [M, N] for rows m0..m0+mc. */
 #define LOWBIT_TILES(isa)                                                                                 \
@@ -159,7 +184,8 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_set1_ps(__builtin_inff()), over);
 }
 
-/* cpu_block.c and cpu_attention.c, as used by each other. */
+/* cpu_block.c and cpu_attention.c: the small per-row ops, attention, quantize-on-write (each file
+ * calls some of the other's). */
 void lowbit_add_rms_norm(const float *x, int64_t sx, float *res, int has_res, const float *w, float eps,
                          int64_t M, int64_t D, float *out);
 void lowbit_rotary(float *x, int64_t M, int64_t H, int64_t sm, int64_t sh, int64_t D, const float *cos,
@@ -185,5 +211,20 @@ int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t
                                   const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
                                   const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
                                   int64_t window, float scale, float *out, int nthreads);
+
+/* cpu_block.c: a block's fused halves, and a whole single-token step over either cache. */
+int lowbit_block_pre(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *delta, float *residual,
+                     int has_res, const float *cos, const float *sin, float *qkv);
+int lowbit_block_post(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *attn, float *residual,
+                      float *delta);
+int lowbit_decode_layers(const lowbit_ctx *c, const lowbit_block *blocks, int64_t L, int64_t M, float *delta,
+                         float *residual, const float *cos, const float *sin, float *cache_k, float *cache_v,
+                         int64_t cl, int64_t cb, int64_t ch, int64_t S, const int64_t *pos, int64_t window,
+                         float scale);
+int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, int64_t L, int64_t M, float *delta,
+                               float *residual, const float *cos, const float *sin, const int64_t *slots,
+                               int64_t page_size, const lowbit_kv_side *k_sides, const lowbit_kv_side *v_sides,
+                               const float *write_rot, const float *attn_rot, const int64_t *ctx,
+                               const int64_t *tables, const int64_t *toff, int64_t window, float scale);
 
 #endif

@@ -5,7 +5,13 @@ instruction set); the small per-row ops of a block, its two fused halves, and a 
 step in one call over either cache (kernels/cpu_block.c, driven by kernels/cpu_block.py); decode
 attention over the contiguous cache, attention straight from the paged quantized pool, and
 quantize-on-write (kernels/cpu_attention.c). The files share their structs through
-kernels/cpu_kernels.h.
+kernels/cpu_kernels.h, which also declares every export.
+
+The ABI: ctypes trusts whatever it is told, so a struct field added on one side only would corrupt
+memory silently. `load` therefore checks the library against this module before binding it — its
+LOWBIT_ABI_VERSION against ABI_VERSION (the exports' signatures, which ctypes cannot see), and the
+sizeof of each struct in ABI_STRUCTS and every field's offset and size against the C compiler's
+(lowbit_abi_layout) — and raises AbiMismatch, one line naming what differs, where they disagree.
 
 Why C, in a package otherwise made of torch and Triton: torch's CPU weight-only kernels take bf16
 activations, cost more with every row (speculative verification and batched decoding feed them 1 + k
@@ -50,13 +56,17 @@ from pathlib import Path
 
 import torch
 
+from lowbit.kernels.kv_side import KVSide
+
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_wq_mm.c", "cpu_block.c", "cpu_attention.c")]
 TILES = Path(__file__).with_name("cpu_wq_tiles.c")  # compiled once per instruction set (ISAS)
-HEADER = Path(__file__).with_name("cpu_kernels.h")  # the structs and cross-file prototypes
+HEADER = Path(__file__).with_name("cpu_kernels.h")  # the structs and every export's prototype
 # x86-64-v3's vector sets for everything; the tile kernels add their own. No -march=native: a file
 # compiled for AVX2 must not pick up AVX-512 from the compiler, so the AVX2 kernels are the ones an
 # AVX2-only machine runs, and every variant gives the same bits (tests/test_cpu_native.py).
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mtune=native", "-fopenmp", "-fPIC", "-std=c11"]
+# -Werror=missing-prototypes: every export needs its prototype in cpu_kernels.h, the one header.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mtune=native", "-fopenmp", "-fPIC", "-std=c11",
+          "-Werror=missing-prototypes"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 
 
@@ -103,6 +113,19 @@ class _KVSide(ctypes.Structure):
     """cpu_attention.c's lowbit_kv_side: one side of one layer of the paged pool."""
     _fields_ = [("bits", ctypes.c_int64), ("group", ctypes.c_int64), ("codes", ctypes.c_void_p),
                 ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
+
+
+# The structs that cross into C, by their names in cpu_kernels.h (`check_abi` compares each with C).
+ABI_STRUCTS = (("lowbit_linear", _Linear), ("lowbit_ctx", _Ctx), ("lowbit_block", _Block), ("lowbit_kv_side", _KVSide))
+ABI_VERSION = 1  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
+
+
+class AbiMismatch(Exception):
+    """The library and this module disagree on the ABI (cpu_kernels.h against the mirrors and
+    argtypes here). Deliberately not a RuntimeError, OSError or ValueError: `native()` turns those
+    into the plain-torch fallback (a machine without a compiler, a failed build), but a mismatch is a
+    bug in the sources — the cache key covers them, so no stale library causes it — and falling back
+    would hide it behind one warning and a slower decode."""
 
 
 class NativeKernels:
@@ -268,7 +291,7 @@ class NativeKernels:
                             write_rot: torch.Tensor | None, attn_rot: torch.Tensor | None, ctx: torch.Tensor,
                             tables: torch.Tensor, toff: torch.Tensor, window: int | None, D: int) -> int:
         """Every block of a decode step over the paged pool (cpu_block.c): blocks a ctypes array of
-        _Block; k_sides/v_sides one (bits, group, tensors) per layer, or their `side_array`s. Returns
+        _Block; k_sides/v_sides one KVSide per layer, or their `side_array`s. Returns
         the C status."""
         ks = k_sides if isinstance(k_sides, ctypes.Array) else self.side_array(k_sides, D)
         vs = v_sides if isinstance(v_sides, ctypes.Array) else self.side_array(v_sides, D)
@@ -303,15 +326,15 @@ class NativeKernels:
         return out
 
     def paged_decode_attention(self, q: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, toff: torch.Tensor,
-                               page_size: int, k_side: tuple[int, int, dict], v_side: tuple[int, int, dict],
+                               page_size: int, k_side: KVSide, v_side: KVSide,
                                rot: torch.Tensor | None, window: int | None) -> torch.Tensor:
         """One query token per row over the paged pool (cpu_attention.c): q fp32 [R, H, D] (heads
         contiguous), ctx int64 [R] keys seen per row, row r's page ids at tables[toff[r]:] (int64),
-        each side (bits, group, the pool's tensors of one layer: "data" | "codes", "scales"[, "mins"]),
+        k_side/v_side one layer's keys and values in the pool (kernels/kv_side.py),
         rot fp32 [D, D] (kernels/kv_quant.py rotation) when both sides are stored rotated → fp32 [R, H, D]."""
         R, H, D = q.shape
-        sides = [self._side(*s, D) for s in (k_side, v_side)]
-        Hkv = next(iter(k_side[2].values())).shape[1]
+        sides = [self._side(s, D) for s in (k_side, v_side)]
+        Hkv = k_side.n_kv_heads
         ok = q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == D and H % Hkv == 0 and D % 8 == 0 \
             and all(t.dtype == torch.int64 and t.is_contiguous() for t in (ctx, tables, toff)) \
             and ctx.shape == toff.shape == (R,) and (rot is None or (rot.shape == (D, D) and rot.is_contiguous()
@@ -327,19 +350,19 @@ class NativeKernels:
             raise ValueError(f"cpu paged decode attention failed (status {rc})")
         return out
 
-    def kv_write(self, x: torch.Tensor, slots: torch.Tensor, page_size: int, side: tuple[int, int, dict],
+    def kv_write(self, x: torch.Tensor, slots: torch.Tensor, page_size: int, side: KVSide,
                  rot: torch.Tensor | None) -> None:
         """Quantize-on-write (cpu_attention.c): x fp32 [M, Hkv, D] (heads contiguous) → the slots
-        (int64 [M]) of one side (bits, group, the pool's tensors of one layer), rotated by rot first."""
+        (int64 [M]) of one side of one layer of the pool (kernels/kv_side.py), rotated by rot first."""
         M, Hkv, D = x.shape
         ok = x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == D and slots.dtype == torch.int64 \
             and slots.is_contiguous() and slots.shape == (M,) and (rot is None or rot.is_contiguous())
         if not ok:
             raise ValueError(f"cpu kv write: unsupported input {tuple(x.shape)} {x.dtype} strides {x.stride()}")
         rc = self.lib.lowbit_kv_write(x.data_ptr(), x.stride(0), M, Hkv, D, slots.data_ptr(), page_size,
-                                      ctypes.byref(self._side(*side, D)), self._signs(rot))
+                                      ctypes.byref(self._side(side, D)), self._signs(rot))
         if rc:
-            raise ValueError(f"cpu kv write: unsupported {side[0]}-bit side with group {side[1]}")
+            raise ValueError(f"cpu kv write: unsupported {side.bits}-bit side with group {side.group}")
 
     def _signs(self, rot: torch.Tensor | None) -> int | None:
         """The KV rotation fp32 [D, D] → a pointer to its D signs, which is what the C kernels take:
@@ -362,30 +385,32 @@ class NativeKernels:
             hit = self._rot_signs[key] = (rot, signs)
         return hit[1].data_ptr()
 
-    def side_array(self, sides: list, D: int) -> ctypes.Array:
-        """One ctypes descriptor per layer for (bits, group, tensors) sides (built in ~5 us a side:
-        callers that step over one pool keep the array)."""
-        return (_KVSide * len(sides))(*[self._side(*s, D) for s in sides])
+    def side_array(self, sides: list[KVSide], D: int) -> ctypes.Array:
+        """One ctypes descriptor per side, a layer's each (built in ~5 us a side: callers that step over
+        one pool keep the array)."""
+        return (_KVSide * len(sides))(*[self._side(s, D) for s in sides])
 
-    def _side(self, bits: int, group: int, t: dict, D: int) -> _KVSide:
-        key = (bits, group, D, *(x.data_ptr() for x in t.values()), next(iter(t.values())).shape)
+    def _side(self, s: KVSide, D: int) -> _KVSide:
+        t = s.tensors()
+        key = (s.bits, s.group, D, *(x.data_ptr() for x in t.values()), next(iter(t.values())).shape)
         side = self._sides.get(key)
         if side is None:
             if len(self._sides) > 4096:  # pools come and go (tests, evaluation): forget old ones
                 self._sides.clear()
-            side = self._sides[key] = self._new_side(bits, group, t, D)
+            side = self._sides[key] = self._new_side(s, D)
         return side
 
     @staticmethod
-    def _new_side(bits: int, group: int, t: dict, D: int) -> _KVSide:
+    def _new_side(s: KVSide, D: int) -> _KVSide:
+        bits, group = s.bits, s.group
         if bits == 16:
-            ok = t["data"].dtype == torch.float16 and t["data"].is_contiguous()
-            side = _KVSide(16, D, t["data"].data_ptr(), None, None)
+            ok = s.data.dtype == torch.float16 and s.data.is_contiguous()
+            side = _KVSide(16, D, s.data.data_ptr(), None, None)
         else:
-            ok = all(x.is_contiguous() for x in t.values()) and t["scales"].dtype == torch.float16 \
-                and t["scales"].shape[-1] * group == D and group % (16 if bits == 4 else 8) == 0  # vector steps
-            side = _KVSide(bits, group, t["codes"].data_ptr(), t["scales"].data_ptr(),
-                           t["mins"].data_ptr() if bits == 4 else None)
+            ok = all(x.is_contiguous() for x in s.tensors().values()) and s.scales.dtype == torch.float16 \
+                and s.scales.shape[-1] * group == D and group % (16 if bits == 4 else 8) == 0  # vector steps
+            side = _KVSide(bits, group, s.codes.data_ptr(), s.scales.data_ptr(),
+                           s.mins.data_ptr() if bits == 4 else None)
         if not ok or bits not in (4, 8, 16):
             raise ValueError(f"cpu paged decode attention: unsupported {bits}-bit cache side")
         return side
@@ -410,9 +435,60 @@ def native() -> NativeKernels | None:
 
 
 def load(path: Path) -> NativeKernels | None:
-    """A built library (from `_build`) → its kernels, or None where the CPU lacks AVX2/FMA/F16C."""
+    """A built library (from `_build`) → its kernels, or None where the CPU lacks AVX2/FMA/F16C;
+    AbiMismatch where it and this module disagree (`check_abi`)."""
     lib = ctypes.CDLL(str(path))
-    return NativeKernels(lib) if lib.lowbit_native_ok() else None
+    if not lib.lowbit_native_ok():
+        return None
+    check_abi(lib, path)  # after lowbit_native_ok: the whole library, its ABI exports too, is AVX2 code
+    return NativeKernels(lib)
+
+
+def check_abi(lib: ctypes.CDLL, path: Path | str = "the library") -> None:
+    """Raise AbiMismatch unless `lib` has this module's ABI_VERSION and lays out every struct of
+    ABI_STRUCTS exactly as its ctypes mirror does: the sizeof, and each field's offset and size,
+    matched by name (equal sizes alone would miss two fields of one size swapped)."""
+    try:
+        version = lib.lowbit_abi_version
+    except AttributeError:
+        raise AbiMismatch(f"lowbit's C kernels at {path} export no ABI (lowbit_abi_version): "
+                          "not built from these sources") from None
+    if (v := version()) != ABI_VERSION:
+        raise AbiMismatch(f"lowbit's C kernels at {path} have ABI version {v}, kernels/cpu_native.py "
+                          f"binds version {ABI_VERSION}: cpu_kernels.h and cpu_native.py must change together")
+    in_c, mirrored = _c_layout(lib), _mirror_layout()
+    problems = []
+    for key in [*in_c, *(k for k in mirrored if k not in in_c)]:
+        c, py = in_c.get(key), mirrored.get(key)
+        if c != py:
+            problems.append(f"{key}: only in ctypes" if c is None else f"{key}: only in C" if py is None else
+                            f"{key}: sizeof {c[1]} in C, {py[1]} in ctypes" if "." not in key else
+                            f"{key}: offset {c[0]} size {c[1]} in C, offset {py[0]} size {py[1]} in ctypes")
+    if problems:
+        raise AbiMismatch(f"lowbit's C kernels at {path} and the ctypes mirrors in kernels/cpu_native.py disagree "
+                          f"(fix the side that is out of date): {'; '.join(problems)}")
+
+
+def _c_layout(lib: ctypes.CDLL) -> dict[str, tuple[int, int]]:
+    """The library's lowbit_abi_layout: "struct" → (0, sizeof), "struct.field" → (offset, size)."""
+    f = lib.lowbit_abi_layout
+    f.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64),
+                  ctypes.c_int64]
+    f.restype = ctypes.c_int64
+    n = f(None, None, None, 0)
+    names, offsets, sizes = (ctypes.c_char_p * n)(), (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
+    f(names, offsets, sizes, n)
+    return {names[i].decode(): (offsets[i], sizes[i]) for i in range(n)}
+
+
+def _mirror_layout() -> dict[str, tuple[int, int]]:
+    """The same entries for the ctypes mirrors of ABI_STRUCTS."""
+    out = {}
+    for name, mirror in ABI_STRUCTS:
+        out[name] = (0, ctypes.sizeof(mirror))
+        for field, *_ in mirror._fields_:
+            out[f"{name}.{field}"] = (getattr(mirror, field).offset, getattr(mirror, field).size)
+    return out
 
 
 def variants(flags: set[str]) -> list[tuple[Isa, tuple[str, ...]]]:
@@ -435,10 +511,7 @@ def _build(cpu_flags: set[str] | None = None) -> Path:
         raise RuntimeError("no C compiler (cc) on PATH")
     flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
     wanted = variants(flags)
-    src = b"".join(s.read_bytes() for s in (*SOURCES, TILES, HEADER))
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    plan = " ".join(_FLAGS) + "|" + ";".join(f"{i.name}:{' '.join(f)}" for i, f in wanted)
-    key = hashlib.sha256(src + version.encode() + plan.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    key = _build_key(cc, flags, wanted)
     import platformdirs  # here, not at import: kernels stay importable without it
 
     out = Path(platformdirs.user_cache_dir("lowbit")) / "native" / f"cpu_kernels-{key}.so"
@@ -460,6 +533,15 @@ def _build(cpu_flags: set[str] | None = None) -> Path:
     return out
 
 
+def _build_key(cc: str, flags: set[str], wanted: list[tuple[Isa, tuple[str, ...]]]) -> str:
+    """The build's cache key: a hash of the sources and the header, the compiler's version, the
+    compiler flags and the CPU's flags — any change to one of them builds a new library."""
+    src = b"".join(s.read_bytes() for s in (*SOURCES, TILES, HEADER))
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    plan = " ".join(_FLAGS) + "|" + ";".join(f"{i.name}:{' '.join(f)}" for i, f in wanted)
+    return hashlib.sha256(src + version.encode() + plan.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+
+
 def _compile_all(jobs: dict[str, tuple[list[str], bool]]) -> dict[str, bool]:
     """Run the compile commands side by side → which succeeded; a required one failing raises."""
     procs = {name: (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), required)
@@ -469,14 +551,21 @@ def _compile_all(jobs: dict[str, tuple[list[str], bool]]) -> dict[str, bool]:
         _, err = p.communicate(timeout=120)
         ok[name] = p.returncode == 0
         if not ok[name] and required:
-            raise RuntimeError(f"the C compiler failed: {err.strip().splitlines()[-1] if err.strip() else p.returncode}")
+            raise RuntimeError(f"the C compiler failed: {_first_error(err, p.returncode)}")
     return ok
 
 
 def _run(cmd: list[str]) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     if r.returncode:
-        raise RuntimeError(f"the C compiler failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+        raise RuntimeError(f"the C compiler failed: {_first_error(r.stderr, r.returncode)}")
+
+
+def _first_error(stderr: str, rc: int) -> str:
+    """The compiler's first error line (its last line can be a summary such as "some warnings being
+    treated as errors", which names nothing), else its last line, else the exit status."""
+    lines = stderr.strip().splitlines()
+    return next((ln for ln in lines if "error:" in ln), lines[-1] if lines else str(rc))
 
 
 def _cpu_flags() -> set[str]:

@@ -56,6 +56,42 @@ int64_t lowbit_isa_best(void) {
     return LOWBIT_ISA_AVX2;
 }
 
+/* ---- the ABI (cpu_kernels.h) ---- */
+
+int lowbit_abi_version(void) { return LOWBIT_ABI_VERSION; }
+
+/* Every struct kernels/cpu_native.py mirrors, and every field of each: a field added to one of them
+ * belongs here too. Python matches the entries by name, so a field reordered, retyped, added or
+ * dropped on one side is caught; one added in C but left out here and in Python is caught by the
+ * struct's sizeof, unless it fits in padding (lowbit_block's after eps). */
+#define ABI_STRUCT(s) {#s, 0, sizeof(s)}
+#define ABI_FIELD(s, f) {#s "." #f, offsetof(s, f), sizeof(((s *)0)->f)}
+static const struct {
+    const char *name;
+    int64_t offset, size;
+} abi_layout[] = {
+    ABI_STRUCT(lowbit_linear), ABI_FIELD(lowbit_linear, kind), ABI_FIELD(lowbit_linear, N),
+    ABI_FIELD(lowbit_linear, K), ABI_FIELD(lowbit_linear, group), ABI_FIELD(lowbit_linear, P),
+    ABI_FIELD(lowbit_linear, data), ABI_FIELD(lowbit_linear, bias),
+    ABI_STRUCT(lowbit_ctx), ABI_FIELD(lowbit_ctx, isa), ABI_FIELD(lowbit_ctx, nthreads),
+    ABI_STRUCT(lowbit_block), ABI_FIELD(lowbit_block, dim), ABI_FIELD(lowbit_block, n_heads),
+    ABI_FIELD(lowbit_block, n_kv_heads), ABI_FIELD(lowbit_block, head_dim), ABI_FIELD(lowbit_block, hidden),
+    ABI_FIELD(lowbit_block, eps), ABI_FIELD(lowbit_block, attn_norm), ABI_FIELD(lowbit_block, ffn_norm),
+    ABI_FIELD(lowbit_block, qkv), ABI_FIELD(lowbit_block, o), ABI_FIELD(lowbit_block, gate_up),
+    ABI_FIELD(lowbit_block, down),
+    ABI_STRUCT(lowbit_kv_side), ABI_FIELD(lowbit_kv_side, bits), ABI_FIELD(lowbit_kv_side, group),
+    ABI_FIELD(lowbit_kv_side, codes), ABI_FIELD(lowbit_kv_side, scales), ABI_FIELD(lowbit_kv_side, mins),
+};
+#undef ABI_STRUCT
+#undef ABI_FIELD
+
+int64_t lowbit_abi_layout(const char **names, int64_t *offsets, int64_t *sizes, int64_t cap) {
+    const int64_t n = (int64_t)(sizeof abi_layout / sizeof abi_layout[0]);
+    for (int64_t i = 0; i < n && i < cap; i++)
+        names[i] = abi_layout[i].name, offsets[i] = abi_layout[i].offset, sizes[i] = abi_layout[i].size;
+    return n;
+}
+
 /* ---- activations ---- */
 
 static inline size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }

@@ -1,7 +1,8 @@
 """KV quantize-on-write (Triton): each new token's K or V vectors, one per KV head, quantized and
-stored in its cache slot — the GPU form of runtime/kv_cache.py's `KVPool.write` for one side.
+stored in its cache slot — the GPU form of runtime/engine/kv_cache.py's `KVPool.write` for one side.
 
-The number formats are kernels/kv_quant.py's (the spec); the pool layout is runtime/kv_cache.py's:
+The number formats are kernels/kv_quant.py's (the spec); the pool layout is a `KVSide`'s
+(kernels/kv_side.py), as runtime/engine/kv_cache.py allocates it:
 
     f16   data   fp16  [P, Hkv, page, D]
     int8  codes  int8  [P, Hkv, page, D]     scales fp16 [P, Hkv, page, G]
@@ -33,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from lowbit.kernels.kv_quant import quantize_int4, quantize_int8
+from lowbit.kernels.kv_side import KVSide
 from lowbit.kernels.triton_import import check_device, tl, triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -102,43 +104,9 @@ def _kv_write_kernel(x_ptr, slot_ptr, c_ptr, s_ptr, m_ptr, stride_xm, stride_xh,
             tl.store(s_ptr + row * G + gs, d16, mask=gs < G)
 
 
-def check_pool_side(buf: dict[str, torch.Tensor], bits: int, group: int, D: int,
-                    page_size: int | None, Hkv: int | None, op: str) -> tuple[int, int, int]:
-    """The pool layout of one side (module docstring). Returns (P, Hkv, page) of the buffers."""
-    if bits == 16:
-        want = {"data": (torch.float16, D)}
-    elif bits in (8, 4):
-        if group < 1 or D % group or (bits == 4 and group % 2):
-            raise ValueError(f"{op}: group {group} must divide head_dim {D}" + (" and be even" if bits == 4 else ""))
-        G = D // group
-        want = {"codes": (torch.int8, D), "scales": (torch.float16, G)} if bits == 8 else \
-            {"codes": (torch.uint8, D // 2), "scales": (torch.float16, G), "mins": (torch.float16, G)}
-    else:
-        raise ValueError(f"{op}: bits must be 16, 8 or 4, got {bits}")
-    if set(buf) != set(want):
-        raise ValueError(f"{op}: a {bits}-bit side holds {sorted(want)}, got {sorted(buf)}")
-    lead = None
-    for name, (dtype, last) in want.items():
-        t = buf[name]
-        if t.dim() != 4 or t.dtype != dtype or t.shape[3] != last or not t.is_contiguous():
-            raise ValueError(f"{op}: {name} must be contiguous {dtype} [P, Hkv, page, {last}], got {t.dtype} "
-                             f"{tuple(t.shape)} strides {t.stride()}")
-        if lead is None:
-            lead = tuple(t.shape[:3])
-        elif tuple(t.shape[:3]) != lead:
-            raise ValueError(f"{op}: {name} has leading shape {tuple(t.shape[:3])}, the others {lead}")
-    if page_size is not None and lead[2] != page_size:
-        raise ValueError(f"{op}: the buffers hold pages of {lead[2]} tokens, not page_size={page_size}")
-    if Hkv is not None and lead[1] != Hkv:
-        raise ValueError(f"{op}: the buffers hold {lead[1]} KV heads, x has {Hkv}")
-    return lead
-
-
-def kv_write(x: torch.Tensor, slots: torch.Tensor, buf: dict[str, torch.Tensor], bits: int, group: int,
-             page_size: int) -> None:
+def kv_write(x: torch.Tensor, slots: torch.Tensor, side: KVSide, page_size: int) -> None:
     """x [M, Hkv, D] fp16/bf16/fp32 (already rotated; last dim contiguous, any other strides),
-    slots int64 [M] (each in [0, P * page_size), distinct) → quantized into buf in place.
-    `group` is the format's group capped at D (KVFormat.group); ignored for bits = 16."""
+    slots int64 [M] (each in [0, P * page_size), distinct) → quantized into the side's tensors in place."""
     if x.dim() != 3 or x.dtype not in _FLOATS:
         raise ValueError(f"kv_write: x must be fp16/bf16/fp32 [M, Hkv, D], got {x.dtype} {tuple(x.shape)}")
     M, Hkv, D = x.shape
@@ -146,31 +114,28 @@ def kv_write(x: torch.Tensor, slots: torch.Tensor, buf: dict[str, torch.Tensor],
         raise ValueError(f"kv_write: x's last dim must be contiguous, got strides {x.stride()}")
     if slots.shape != (M,) or slots.dtype != torch.int64 or not slots.is_contiguous():
         raise ValueError(f"kv_write: slots must be contiguous int64 [{M}], got {slots.dtype} {tuple(slots.shape)}")
-    if bits == 16:
-        group = D
-    check_pool_side(buf, bits, group, D, page_size, Hkv, "kv_write")
-    check_device(x, slots, *buf.values())
-    if any(t.device != x.device for t in (slots, *buf.values())):
+    bits, group = side.bits, D if side.bits == 16 else side.group  # 16 bits: one tile of D copied
+    side.check(D, page_size, Hkv, "kv_write")
+    held = tuple(side.tensors().values())
+    check_device(x, slots, *held)
+    if any(t.device != x.device for t in (slots, *held)):
         raise ValueError("kv_write: x, slots and the buffers must be on one device")
     if M == 0 or Hkv == 0:
         return
-    codes = buf["data"] if bits == 16 else buf["codes"]
-    scales = buf.get("scales", codes)  # unused pointers where the format has none
-    mins = buf.get("mins", codes)
+    codes, scales, mins = side.kernel_tensors()
     block_w = triton.next_power_of_2(group // 2 if bits == 4 else group)
     _kv_write_kernel[(M, Hkv)](x, slots, codes, scales, mins, x.stride(0), x.stride(1), Hkv, page_size,
                                BITS=bits, D=D, GROUP=group, BLOCK_G=triton.next_power_of_2(D // group),
                                BLOCK_W=block_w)
 
 
-def kv_write_ref(x: torch.Tensor, slots: torch.Tensor, buf: dict[str, torch.Tensor], bits: int, group: int,
-                 page_size: int) -> None:
+def kv_write_ref(x: torch.Tensor, slots: torch.Tensor, side: KVSide, page_size: int) -> None:
     """The spec: kernels/kv_quant.py's formats stored by index assignment, as KVPool.write does."""
     page, off = slots // page_size, slots % page_size
-    if bits == 16:
-        buf["data"][page, :, off] = x.to(buf["data"].dtype)  # [M, Hkv, D] at (page, :, off)
-    elif bits == 8:
-        buf["codes"][page, :, off], buf["scales"][page, :, off] = quantize_int8(x.float(), group)
+    if side.bits == 16:
+        side.data[page, :, off] = x.to(side.data.dtype)  # [M, Hkv, D] at (page, :, off)
+    elif side.bits == 8:
+        side.codes[page, :, off], side.scales[page, :, off] = quantize_int8(x.float(), side.group)
     else:
-        buf["codes"][page, :, off], buf["scales"][page, :, off], buf["mins"][page, :, off] = \
-            quantize_int4(x.float(), group)
+        side.codes[page, :, off], side.scales[page, :, off], side.mins[page, :, off] = \
+            quantize_int4(x.float(), side.group)

@@ -6,7 +6,8 @@ bringing n_s new query rows (a prefill chunk, one decode token, speculative toke
 already in the pool (written first, kernels/kv_write.py), so every query attends over context_lens[s]
 cached tokens, its own included. Key j of a sequence sits at position j; query row i at
 positions[i]; the mask is j <= positions[i] (causal) and j > positions[i] - window (sliding).
-The pool layout and number formats are runtime/kv_cache.py's and kernels/kv_quant.py's:
+The pool layout and number formats are kernels/kv_side.py's (a `KVSide` per layer and side, as
+runtime/engine/kv_cache.py allocates them) and kernels/kv_quant.py's:
 
     f16   data   fp16  [P, Hkv, page, D]                                   k = data
     int8  codes  int8  [P, Hkv, page, D]    scales fp16 [P, Hkv, page, G]  k = d * q
@@ -32,8 +33,7 @@ import math
 
 import torch
 
-from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8
-from lowbit.kernels.kv_write import check_pool_side
+from lowbit.kernels.kv_side import KVSide
 from lowbit.kernels.triton_import import check_device, interpreting, tl, triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -153,15 +153,14 @@ def _check_batch(q, cu_query_lens, context_lens, positions, block_tables) -> int
     return S
 
 
-def paged_attention(q: torch.Tensor, buf_k: dict[str, torch.Tensor], buf_v: dict[str, torch.Tensor],
-                    k_bits: int, v_bits: int, k_group: int, v_group: int, cu_query_lens: torch.Tensor,
+def paged_attention(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_lens: torch.Tensor,
                     context_lens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                     page_size: int, sliding_window: int | None = None, scale: float | None = None,
                     max_query_len: int | None = None, block_m: int | None = None,
                     block_n: int | None = None) -> torch.Tensor:
     """q [M, H, D] fp16/bf16/fp32 (rotated like the keys; last dim contiguous) attending over one
-    layer's pool sides buf_k, buf_v (runtime/kv_cache.py's dicts; groups capped at D as
-    KVFormat.group does, ignored for 16 bits) → fp32 [M, H, D], still rotated.
+    layer's keys and values in the pool (runtime/engine/kv_cache.py's `KVPool.side`) → fp32 [M, H, D],
+    still rotated.
 
     Batch (S sequences, queries concatenated in order):
       cu_query_lens int32 [S + 1]  query rows of sequence s are cu[s] .. cu[s+1] - 1; cu[S] = M
@@ -175,15 +174,16 @@ def paged_attention(q: torch.Tensor, buf_k: dict[str, torch.Tensor], buf_v: dict
         raise ValueError(f"paged_attention: q must be fp16/bf16/fp32 [M, H, D] with a contiguous last dim, "
                          f"got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
     M, H, D = q.shape
-    k_group, v_group = (D if bits == 16 else g for bits, g in ((k_bits, k_group), (v_bits, v_group)))
-    Hkv = check_pool_side(buf_k, k_bits, k_group, D, page_size, None, "paged_attention")[1]
-    check_pool_side(buf_v, v_bits, v_group, D, page_size, Hkv, "paged_attention")
+    k_group, v_group = (D if s.bits == 16 else s.group for s in (k_side, v_side))  # 16 bits: one tile of D
+    Hkv = k_side.check(D, page_size, None, "paged_attention")[1]
+    v_side.check(D, page_size, Hkv, "paged_attention")
     if H % Hkv:
         raise ValueError(f"paged_attention: {H} query heads do not share {Hkv} KV heads evenly")
     S = _check_batch(q, cu_query_lens, context_lens, positions, block_tables)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"paged_attention: sliding_window must be >= 1 or None, got {sliding_window}")
-    tensors = (q, cu_query_lens, context_lens, positions, block_tables, *buf_k.values(), *buf_v.values())
+    tensors = (q, cu_query_lens, context_lens, positions, block_tables, *k_side.tensors().values(),
+               *v_side.tensors().values())
     check_device(*tensors)
     if any(t.device != q.device for t in tensors):
         raise ValueError("paged_attention: q, the batch tensors and the pool must be on one device")
@@ -199,30 +199,19 @@ def paged_attention(q: torch.Tensor, buf_k: dict[str, torch.Tensor], buf_v: dict
         block_m = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // qpk_p), 16 // qpk_p)
     block_n = block_n or 32
     grid = (S, triton.cdiv(max(max_query_len, 1), block_m), Hkv)
-    kc, vc = (b["data"] if bits == 16 else b["codes"] for b, bits in ((buf_k, k_bits), (buf_v, v_bits)))
     _paged_attention_kernel[grid](
         q, out, positions, cu_query_lens, context_lens, block_tables,
-        kc, buf_k.get("scales", kc), buf_k.get("mins", kc), vc, buf_v.get("scales", vc), buf_v.get("mins", vc),
+        *k_side.kernel_tensors(), *v_side.kernel_tensors(),
         q.stride(0), q.stride(1), block_tables.stride(0), H, Hkv, page_size,
         sliding_window or 0, float(scale if scale is not None else 1.0 / math.sqrt(D)),
-        K_BITS=k_bits, V_BITS=v_bits, K_GROUP=k_group, V_GROUP=v_group, D=D, QPK=qpk, QPK_P=qpk_p,
+        K_BITS=k_side.bits, V_BITS=v_side.bits, K_GROUP=k_group, V_GROUP=v_group, D=D, QPK=qpk, QPK_P=qpk_p,
         SLIDING=sliding_window is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
         **({} if interpreting() else {"num_warps": 4 if block_m * qpk_p <= 16 else 8}))
     return out
 
 
-def _dequant(buf: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
-    """One side's pages (any leading shape) → fp32 [..., D] by kernels/kv_quant.py's spec."""
-    if bits == 16:
-        return buf["data"].float()
-    if bits == 8:
-        return dequantize_int8(buf["codes"], buf["scales"])
-    return dequantize_int4(buf["codes"], buf["scales"], buf["mins"])
-
-
-def paged_attention_ref(q: torch.Tensor, buf_k: dict[str, torch.Tensor], buf_v: dict[str, torch.Tensor],
-                        k_bits: int, v_bits: int, k_group: int, v_group: int, cu_query_lens: torch.Tensor,
+def paged_attention_ref(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_lens: torch.Tensor,
                         context_lens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                         page_size: int, sliding_window: int | None = None, scale: float | None = None,
                         **_launch) -> torch.Tensor:
@@ -238,8 +227,8 @@ def paged_attention_ref(q: torch.Tensor, buf_k: dict[str, torch.Tensor], buf_v: 
             continue
         pages = block_tables[s, : -(-ctx // page_size)].long()
         kv = []
-        for buf, bits in ((buf_k, k_bits), (buf_v, v_bits)):
-            x = _dequant({name: t[pages] for name, t in buf.items()}, bits)  # [n, Hkv, page, D]
+        for side in (k_side, v_side):
+            x = side.pages(pages).dequantize()  # [n, Hkv, page, D]
             x = x.transpose(0, 1).flatten(1, 2)[:, :ctx]  # [Hkv, ctx, D]
             kv.append(x.repeat_interleave(H // x.shape[0], dim=0))  # [H, ctx, D]: query head h reads h // (H/Hkv)
         qs = q[a:b].float().transpose(0, 1)  # [H, n, D]

@@ -2,7 +2,7 @@
 
 - `ContiguousAttention`: the contiguous fp32 KVCache of models/llama.py (one batch of sequences
   that advance together: `lowbit run`'s loop, CUDA-graph decode).
-- `PagedAttention`: the engine's paged, quantized pool (runtime/kv_cache.py). A step's batch is any
+- `PagedAttention`: the engine's paged, quantized pool (runtime/engine/kv_cache.py). A step's batch is any
   mix of sequences, each bringing some new tokens (a prefill chunk, one decode token, or several
   speculative tokens) at its own positions; `PagedBatch` carries everything attention needs, as
   DESIGN.md asks: one dataclass, never a global. New K/V are written first, then every query
@@ -168,10 +168,9 @@ class PagedAttention:
     def run_layers(self, layers, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Every block of the step in one C call over the pool (kernels/cpu_block.py FusedLayers):
         quantize-on-write and paged attention per layer, as `__call__` does them."""
-        pool, fmt, D = self.pool, self.pool.fmt, self.pool.head_dim
-        kg, vg = fmt.group(fmt.k_bits, fmt.k_group, D), fmt.group(fmt.v_bits, fmt.v_group, D)
-        k_sides = [(fmt.k_bits, kg, s["k"]) for s in pool.sides]  # per layer: (bits, group, tensors)
-        v_sides = [(fmt.v_bits, vg, s["v"]) for s in pool.sides]
+        pool = self.pool
+        k_sides = [pool.side(layer, "k") for layer in range(pool.n_layers)]
+        v_sides = [pool.side(layer, "v") for layer in range(pool.n_layers)]
         return layers.decode_paged(delta, cos, sin, self.batch.slots.to(torch.int64).contiguous(), pool.page_size,
                                    k_sides, v_sides, pool.rot, self.rot, self.c_args, self.window)
 
@@ -184,11 +183,9 @@ class PagedAttention:
         M, H, D = q.shape
         out = torch.empty(M, H, D, dtype=torch.float32, device=q.device)
         if self.c_rows is not None:
-            fmt, sides = pool.fmt, pool.sides[layer]
             attended = self.native.paged_decode_attention(
-                q[self.c_rows].float(), *self.c_args, pool.page_size,
-                (fmt.k_bits, fmt.group(fmt.k_bits, fmt.k_group, D), sides["k"]),
-                (fmt.v_bits, fmt.group(fmt.v_bits, fmt.v_group, D), sides["v"]), self.rot, self.window)
+                q[self.c_rows].float(), *self.c_args, pool.page_size, pool.side(layer, "k"), pool.side(layer, "v"),
+                self.rot, self.window)
             if isinstance(self.c_rows, slice):
                 return attended.view(M, H * D)
             out[self.c_rows] = attended
@@ -249,18 +246,16 @@ class PagedAttention:
         return o[0].transpose(0, 1)  # [n, H, D]
 
     def _fused(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        pool, b, fmt = self.pool, self.batch, self.pool.fmt
-        D = pool.head_dim
+        pool, b = self.pool, self.batch
         rot = pool.rot  # [D, D] or None; applied to the quantized sides only (f16 is never rotated)
-        sides = pool.sides[layer]
-        for name, x, bits, group in (("k", k, fmt.k_bits, fmt.k_group), ("v", v, fmt.v_bits, fmt.v_group)):
-            x = x.float() @ rot if rot is not None and bits < 16 else x
-            kv_write(x, b.slots, sides[name], bits, fmt.group(bits, group, D), pool.page_size)
-        rotated = rot is not None and fmt.k_bits < 16 and fmt.v_bits < 16
+        k_side, v_side = pool.side(layer, "k"), pool.side(layer, "v")
+        for x, side in ((k, k_side), (v, v_side)):
+            x = x.float() @ rot if rot is not None and side.bits < 16 else x
+            kv_write(x, b.slots, side, pool.page_size)
+        rotated = rot is not None and k_side.bits < 16 and v_side.bits < 16
         cu, ctx, tables = self.tensors
-        out = paged_attention(q.float() @ rot if rotated else q, sides["k"], sides["v"], fmt.k_bits, fmt.v_bits,
-                              fmt.group(fmt.k_bits, fmt.k_group, D), fmt.group(fmt.v_bits, fmt.v_group, D),
-                              cu, ctx, b.positions, tables, pool.page_size, sliding_window=self.window,
+        out = paged_attention(q.float() @ rot if rotated else q, k_side, v_side, cu, ctx, b.positions, tables,
+                              pool.page_size, sliding_window=self.window,
                               max_query_len=max(b.query_lens))  # fp32 [M, H, D]
         if rotated:
             out = out @ rot.T

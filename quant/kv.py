@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -40,22 +41,32 @@ class KVFormat:
     v_group: int
     rotate: bool  # Hadamard-rotate each head's vector before quantizing (power-of-2 head_dim only)
 
-    def group(self, bits: int, group: int, head_dim: int) -> int:
-        return min(group, head_dim) if bits < 16 else head_dim
+    def side_bits(self, side: Literal["k", "v"]) -> int:
+        """The bits of the keys ("k") or the values ("v")."""
+        if side not in ("k", "v"):
+            raise ValueError(f"a KV side is 'k' or 'v', got {side!r}")
+        return self.k_bits if side == "k" else self.v_bits
+
+    def side_group(self, side: Literal["k", "v"], head_dim: int) -> int:
+        """Values per scale of the keys ("k") or the values ("v") at this head dim: the format's group
+        capped at head_dim (a group lies within one head's vector); head_dim for a 16-bit side, which
+        has no scales."""
+        group = self.k_group if side == "k" else self.v_group
+        return min(group, head_dim) if self.side_bits(side) < 16 else head_dim
 
     def rotates(self, head_dim: int) -> bool:
         return self.rotate and head_dim & (head_dim - 1) == 0
 
-    def side_bytes(self, bits: int, group: int, head_dim: int) -> int:
-        """Bytes one head's vector of one token takes: codes plus fp16 scales (and mins)."""
+    def side_bytes(self, side: Literal["k", "v"], head_dim: int) -> int:
+        """Bytes one head's vector of one token takes on one side: codes plus fp16 scales (and mins)."""
+        bits = self.side_bits(side)
         if bits == 16:
             return 2 * head_dim
-        n_groups = head_dim // self.group(bits, group, head_dim)
+        n_groups = head_dim // self.side_group(side, head_dim)
         return head_dim * bits // 8 + 2 * n_groups * (2 if bits == 4 else 1)
 
     def bytes_per_token(self, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
-        per_head = (self.side_bytes(self.k_bits, self.k_group, head_dim)
-                    + self.side_bytes(self.v_bits, self.v_group, head_dim))
+        per_head = self.side_bytes("k", head_dim) + self.side_bytes("v", head_dim)
         return n_layers * n_kv_heads * per_head
 
 

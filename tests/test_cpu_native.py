@@ -473,10 +473,10 @@ def test_one_call_paged_step_equals_the_block_by_block_step(kv):
     tokens = torch.randint(0, 80, (3,), generator=g)
     (a, pa, all_c), (b, pb, _) = step(True, [1, 1, 1]), step(False, [1, 1, 1])
     assert all_c and torch.equal(a, b)
-    for la, lb in zip(pa.sides, pb.sides):
+    for layer in range(pa.n_layers):
         for side in ("k", "v"):
-            for key in la[side]:
-                assert torch.equal(la[side][key], lb[side][key]), (side, key)
+            for key, t in pa.side(layer, side).tensors().items():
+                assert torch.equal(t, getattr(pb.side(layer, side), key)), (side, key)
     tokens = torch.randint(0, 80, (5,), generator=g)
     (a, _, all_c), (b, _, _) = step(True, [1, 3, 1]), step(False, [1, 3, 1])
     assert not all_c and torch.equal(a, b)
@@ -525,3 +525,98 @@ def test_every_isa_and_an_avx2_only_build_give_the_same_logits(tmp_path, monkeyp
     assert torch.isfinite(first).all() and torch.equal(first[0], first[3])
     for name, got in results:
         assert torch.equal(got, first), name
+
+
+# --- the ABI guard (kernels/cpu_native.py check_abi, cpu_kernels.h lowbit_abi_layout) ---
+
+def test_the_library_reports_the_abi_of_the_header_and_the_mirrors(tmp_path):
+    """The guard's two sides against a third: a C program compiled on its own from cpu_kernels.h
+    prints LOWBIT_ABI_VERSION and the sizeof, offsetof and size of every struct and field the ctypes
+    mirrors name (it does not compile where the header lacks one); the loaded library's version and
+    layout report (lowbit_abi_layout) and the mirrors equal it, entry for entry."""
+    from lowbit.kernels import cpu_native
+
+    k = _kernels()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    lines = ['printf("version %d 0\\n", LOWBIT_ABI_VERSION);']
+    for name, mirror in cpu_native.ABI_STRUCTS:
+        lines.append(f'printf("{name} 0 %zu\\n", sizeof({name}));')
+        lines += [f'printf("{name}.{f} %zu %zu\\n", offsetof({name}, {f}), sizeof((({name} *)0)->{f}));'
+                  for f, *_ in mirror._fields_]
+    src, exe = tmp_path / "abi.c", tmp_path / "abi"
+    src.write_text('#include <stdio.h>\n#include "cpu_kernels.h"\nint main(void) {\n    '
+                   + "\n    ".join(lines) + "\n    return 0;\n}\n")
+    r = subprocess.run([cc, *cpu_native._FLAGS, "-I", str(cpu_native.HEADER.parent), str(src), "-o", str(exe)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-800:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30, check=True).stdout
+    want = {name: (int(a), int(b)) for name, a, b in (line.split() for line in out.splitlines())}
+    assert want.pop("version") == (cpu_native.ABI_VERSION, 0) and k.lib.lowbit_abi_version() == cpu_native.ABI_VERSION
+    assert cpu_native._mirror_layout() == want
+    assert cpu_native._c_layout(k.lib) == want
+    cpu_native.check_abi(k.lib)  # and the guard itself passes
+
+
+@pytest.mark.parametrize("case", ["version", "extra-field", "swapped-fields", "retyped-field", "struct-not-mirrored"])
+def test_a_library_the_mirrors_disagree_with_is_refused(case, monkeypatch):
+    """The guard at work: this module's ABI version, or one ctypes mirror, made wrong as a one-sided
+    edit would make it — a field more, two fields of one size swapped (the sizeof is the same), an
+    int64 field as int32 (sizeof and offsets the same), a struct without a mirror. Loading the
+    library raises AbiMismatch, one line naming the difference, and native() raises it too rather
+    than falling back to the torch path."""
+    import ctypes
+    import re
+
+    from lowbit.kernels import cpu_native
+
+    _kernels()
+    path = cpu_native._build()
+    assert cpu_native.load(path) is not None  # the library is right: only the mirror below is not
+    structs = dict(cpu_native.ABI_STRUCTS)
+    side, ks = cpu_native._KVSide._fields_, cpu_native._KVSide
+
+    def mirror(name: str, fields: list) -> None:
+        structs[name] = type(name, (ctypes.Structure,), {"_fields_": fields})
+
+    if case == "version":
+        monkeypatch.setattr(cpu_native, "ABI_VERSION", cpu_native.ABI_VERSION + 1)
+        want = f"ABI version {cpu_native.ABI_VERSION - 1}, kernels/cpu_native.py binds version {cpu_native.ABI_VERSION}"
+    elif case == "extra-field":
+        mirror("lowbit_kv_side", [*side, ("extra", ctypes.c_int64)])
+        want = (f"lowbit_kv_side: sizeof {ctypes.sizeof(ks)} in C, {ctypes.sizeof(ks) + 8} in ctypes; "
+                "lowbit_kv_side.extra: only in ctypes")
+    elif case == "swapped-fields":
+        assert [f for f, _ in side[3:]] == ["scales", "mins"]
+        mirror("lowbit_kv_side", [*side[:3], side[4], side[3]])
+        want = (f"lowbit_kv_side.scales: offset {ks.scales.offset} size 8 in C, "
+                f"offset {ks.mins.offset} size 8 in ctypes")
+    elif case == "retyped-field":
+        mirror("lowbit_ctx", [("isa", ctypes.c_int32), ("nthreads", ctypes.c_int64)])
+        want = "lowbit_ctx.isa: offset 0 size 8 in C, offset 0 size 4 in ctypes"
+    else:
+        del structs["lowbit_ctx"]
+        want = "lowbit_ctx: only in C; lowbit_ctx.isa: only in C"
+    monkeypatch.setattr(cpu_native, "ABI_STRUCTS", tuple(structs.items()))
+    with pytest.raises(cpu_native.AbiMismatch, match=re.escape(want)) as e:
+        cpu_native.load(path)
+    assert "\n" not in str(e.value)
+    with pytest.raises(cpu_native.AbiMismatch):
+        cpu_native.native.__wrapped__()  # past the lru_cache: the load native() does
+
+
+def test_the_build_is_keyed_by_the_header_too(tmp_path, monkeypatch):
+    """A change to cpu_kernels.h (a struct, LOWBIT_ABI_VERSION) builds a new library, as a change to a
+    source does: the cache key hashes the header with them."""
+    from lowbit.kernels import cpu_native
+
+    _kernels()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    flags = {"avx2", "fma", "f16c"}
+    key = lambda: cpu_native._build_key(cc, flags, cpu_native.variants(flags))  # noqa: E731
+    before = key()
+    header = tmp_path / "cpu_kernels.h"
+    header.write_bytes(cpu_native.HEADER.read_bytes() + b"/* one more line */\n")
+    monkeypatch.setattr(cpu_native, "HEADER", header)
+    assert key() != before
+    monkeypatch.undo()
+    assert key() == before

@@ -71,6 +71,22 @@ def test_pool_reads_back_what_it_wrote(name):
     assert pool.gather(0, pages, 10)[0].abs().max() == 0  # another layer untouched
 
 
+def test_pool_sides_carry_the_formats_bits_and_capped_groups():
+    """KVPool.side hands out one KVSide per layer and side, the same object each call, with the
+    format's bits and its group capped at the head dim (the f16 side: one group of D, no scales)."""
+    pool = KVPool(KV_FORMATS["k8v4"], n_layers=2, n_kv_heads=3, head_dim=16, num_pages=2, page_size=4)
+    k, v = pool.side(1, "k"), pool.side(1, "v")
+    assert pool.side(1, "k") is k and pool.side(0, "k") is not k
+    assert (k.bits, k.group, v.bits, v.group) == (8, 16, 4, 16)  # groups of 64 and 32, capped at 16
+    assert set(k.tensors()) == {"codes", "scales"} and set(v.tensors()) == {"codes", "scales", "mins"}
+    assert v.codes.shape == (2, 3, 4, 8) and v.mins.shape == (2, 3, 4, 1) and k.n_kv_heads == 3
+    f16 = KV_FORMATS["f16"]
+    assert (f16.side_bits("v"), f16.side_group("v", 64)) == (16, 64)
+    assert KV_FORMATS["k8v4"].side_group("v", 64) == 32
+    with pytest.raises(ValueError, match="'k' or 'v'"):
+        f16.side_bits("q")
+
+
 def test_unknown_format_and_empty_budget_are_clear_errors():
     with pytest.raises(ValueError, match="unknown KV cache format 'q3'"):
         parse_kv_format("q3")
@@ -163,8 +179,8 @@ def test_c_quantize_on_write_matches_the_specs(name, rotate, monkeypatch, c_kern
         pools[-1].write(0, k, v, slots)
     c, ref = pools
     for side in ("k", "v"):
-        for key, got in c.sides[0][side].items():
-            want = ref.sides[0][side][key]
+        for key, got in c.side(0, side).tensors().items():
+            want = getattr(ref.side(0, side), key)
             if not rotate:
                 assert torch.equal(got, want), (side, key)
             elif key == "codes":
@@ -195,11 +211,9 @@ def test_c_paged_attention_over_long_contexts_matches_sdpa_in_float64(name, H, H
         pool.write(0, torch.randn(c, Hkv, D, generator=g), torch.randn(c, Hkv, D, generator=g),
                    tables[-1][pos // P] * P + pos % P)
     q = torch.randn(len(ctxs), H, D, generator=g)
-    fmt, sides = pool.fmt, pool.sides[0]
     got = c_kernels.native().paged_decode_attention(
         q, torch.tensor(ctxs), torch.cat(tables).to(torch.int64), torch.tensor([0, *map(len, tables[:-1])]).cumsum(0),
-        P, (fmt.k_bits, fmt.group(fmt.k_bits, fmt.k_group, D), sides["k"]),
-        (fmt.v_bits, fmt.group(fmt.v_bits, fmt.v_group, D), sides["v"]), pool.rot, None)
+        P, pool.side(0, "k"), pool.side(0, "v"), pool.rot, None)
     # the kernel's fp32 sums of exp-scores times group mins over up to 300 tokens, and the rotation there
     # and back, leave up to 3.2e-6 here (fp32 SDPA: 4e-7); a wrong scale, min, page or head is off by 1e-2
     for r, (c, t) in enumerate(zip(ctxs, tables)):

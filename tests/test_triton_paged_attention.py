@@ -13,13 +13,14 @@ prefill chunks in one batch, pages scattered out of order over the pool.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from lowbit.kernels.kv_side import KVSide
 from lowbit.kernels.kv_write import kv_write, kv_write_ref
 from lowbit.kernels.paged_attention import batch_tensors, paged_attention, paged_attention_ref
 from lowbit.kernels.triton_import import interpreting
@@ -51,25 +52,25 @@ SHAPES = [(16, 64, 4, 2), (4, 16, 9, 3)]
 SEQS = [(1, 1), (5, 1), (37, 1), (37, 6), (5, 5)]
 
 
-def groups(fmt: KVFormat, D: int) -> tuple[int, int]:
-    return fmt.group(fmt.k_bits, fmt.k_group, D), fmt.group(fmt.v_bits, fmt.v_group, D)
-
-
 def alloc_side(P: int, Hkv: int, page: int, D: int, bits: int, group: int, gen: torch.Generator,
-               device) -> dict[str, torch.Tensor]:
+               device) -> KVSide:
     """One pool side in runtime/engine/kv_cache.py's layout, filled with garbage — NaN scales and data, random
     codes — so that a kernel reading a slot it should not shows up as NaN or a wrong value."""
     nan = lambda *s: torch.full(s, float("nan"), dtype=torch.float16, device=device)  # noqa: E731
     if bits == 16:
-        return {"data": nan(P, Hkv, page, D)}
+        return KVSide(16, D, data=nan(P, Hkv, page, D))
     G = D // group
-    side = {"scales": nan(P, Hkv, page, G)}
+    scales = nan(P, Hkv, page, G)
     if bits == 8:
-        side["codes"] = torch.randint(-128, 128, (P, Hkv, page, D), generator=gen, dtype=torch.int8).to(device)
-    else:
-        side["codes"] = torch.randint(0, 256, (P, Hkv, page, D // 2), generator=gen, dtype=torch.uint8).to(device)
-        side["mins"] = nan(P, Hkv, page, G)
-    return side
+        codes = torch.randint(-128, 128, (P, Hkv, page, D), generator=gen, dtype=torch.int8).to(device)
+        return KVSide(8, group, codes=codes, scales=scales)
+    codes = torch.randint(0, 256, (P, Hkv, page, D // 2), generator=gen, dtype=torch.uint8).to(device)
+    return KVSide(4, group, codes=codes, scales=scales, mins=nan(P, Hkv, page, G))
+
+
+def copy_side(side: KVSide, device) -> KVSide:
+    """The side with every tensor copied to `device` (a copy also where it is already there)."""
+    return replace(side, **{name: t.to(device, copy=True) for name, t in side.tensors().items()})
 
 
 # ---- kv_write -------------------------------------------------------------------------------------
@@ -99,13 +100,13 @@ def test_kv_write_matches_ref_bit_for_bit(device, bits, group, page, D, H, Hkv, 
     P, M = 7, 11
     x, slots = write_inputs(M, Hkv, D, page, P, gen=gen, dtype=dtype)
     want = alloc_side(P, Hkv, page, D, bits, group, gen, "cpu")
-    got = {name: t.to(device, copy=True) for name, t in want.items()}  # a copy, also on the CPU
+    got = copy_side(want, device)  # a copy, also on the CPU
     # The spec is the CPU's: torch on CUDA divides by a Python scalar as a multiply by its reciprocal
     # (kernels/kv_write.py), so the reference runs here whatever the kernel's device.
-    kv_write_ref(x, slots, want, bits, group, page)
-    kv_write(x.to(device), slots.to(device), got, bits, group, page)
-    for name in want:  # every slot, bytewise: the written ones equal, the others untouched (NaN kept)
-        assert torch.equal(got[name].cpu().view(torch.uint8), want[name].view(torch.uint8)), name
+    kv_write_ref(x, slots, want, page)
+    kv_write(x.to(device), slots.to(device), got, page)
+    for name, t in want.tensors().items():  # every slot, bytewise: the written ones equal, the others untouched
+        assert torch.equal(getattr(got, name).cpu().view(torch.uint8), t.view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -114,19 +115,19 @@ def test_kv_write_rounds_half_to_even(device):
     at x itself, and the halves round to even as torch.round does."""
     x8 = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])
     x4 = torch.tensor([0.0, 15.0, 0.5, 1.5, 2.5, 13.5, 14.5, 7.5])
-    side8 = {"codes": torch.zeros(1, 1, 1, 8, dtype=torch.int8, device=device),
-             "scales": torch.zeros(1, 1, 1, 1, dtype=torch.float16, device=device)}
-    side4 = {"codes": torch.zeros(1, 1, 1, 4, dtype=torch.uint8, device=device),
-             "scales": torch.zeros(1, 1, 1, 1, dtype=torch.float16, device=device),
-             "mins": torch.ones(1, 1, 1, 1, dtype=torch.float16, device=device)}
+    side8 = KVSide(8, 8, codes=torch.zeros(1, 1, 1, 8, dtype=torch.int8, device=device),
+                   scales=torch.zeros(1, 1, 1, 1, dtype=torch.float16, device=device))
+    side4 = KVSide(4, 8, codes=torch.zeros(1, 1, 1, 4, dtype=torch.uint8, device=device),
+                   scales=torch.zeros(1, 1, 1, 1, dtype=torch.float16, device=device),
+                   mins=torch.ones(1, 1, 1, 1, dtype=torch.float16, device=device))
     slot = torch.zeros(1, dtype=torch.int64, device=device)
-    kv_write(x8.view(1, 1, 8).to(device), slot, side8, 8, 8, 1)
-    kv_write(x4.view(1, 1, 8).to(device), slot, side4, 4, 8, 1)
-    assert side8["codes"].flatten().tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
-    assert side8["scales"].item() == 1.0
+    kv_write(x8.view(1, 1, 8).to(device), slot, side8, 1)
+    kv_write(x4.view(1, 1, 8).to(device), slot, side4, 1)
+    assert side8.codes.flatten().tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+    assert side8.scales.item() == 1.0
     u = [0, 15, 0, 2, 2, 14, 14, 8]
-    assert side4["codes"].flatten().tolist() == [u[i] | u[i + 1] << 4 for i in range(0, 8, 2)]
-    assert side4["scales"].item() == 1.0 and side4["mins"].item() == 0.0
+    assert side4.codes.flatten().tolist() == [u[i] | u[i + 1] << 4 for i in range(0, 8, 2)]
+    assert side4.scales.item() == 1.0 and side4.mins.item() == 0.0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -147,12 +148,12 @@ def test_kv_write_near_ties(device, bits):
     x[..., 0] = (127 if bits == 8 else 0) * scale[..., 0]
     x[..., 1] = (-127 if bits == 8 else 15) * scale[..., 0]
     want = alloc_side(M, Hkv, 1, D, bits, group, gen, "cpu")
-    got = {name: t.to(device, copy=True) for name, t in want.items()}  # a copy, also on the CPU
+    got = copy_side(want, device)  # a copy, also on the CPU
     slots = torch.arange(M)
-    kv_write_ref(x, slots, want, bits, group, 1)
-    kv_write(x.to(device), slots.to(device), got, bits, group, 1)
-    for name in want:
-        assert torch.equal(got[name].cpu(), want[name]), name
+    kv_write_ref(x, slots, want, 1)
+    kv_write(x.to(device), slots.to(device), got, 1)
+    for name, t in want.tensors().items():
+        assert torch.equal(getattr(got, name).cpu(), t), name
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -165,14 +166,14 @@ def test_kv_write_is_kvpool_write(device, fmt):
     pool = KVPool(fmt, n_layers=1, n_kv_heads=Hkv, head_dim=D, num_pages=5, page_size=4)
     k, v = torch.randn(M, Hkv, D, generator=gen), torch.randn(M, Hkv, D, generator=gen)
     slots = torch.randperm(20, generator=gen)[:M]
-    sides = {name: {key: t.clone().to(device) for key, t in side.items()} for name, side in pool.sides[0].items()}
+    sides = {name: copy_side(pool.side(0, name), device) for name in ("k", "v")}
     pool.write(0, k, v, slots)
-    for name, x, bits, group in (("k", k, fmt.k_bits, fmt.k_group), ("v", v, fmt.v_bits, fmt.v_group)):
-        if bits < 16 and pool.rot is not None:
+    for name, x in (("k", k), ("v", v)):
+        if sides[name].bits < 16 and pool.rot is not None:
             x = x.float() @ pool.rot
-        kv_write(x.to(device), slots.to(device), sides[name], bits, fmt.group(bits, group, D), pool.page_size)
-        for key, t in sides[name].items():
-            assert torch.equal(t.cpu(), pool.sides[0][name][key]), (name, key)
+        kv_write(x.to(device), slots.to(device), sides[name], pool.page_size)
+        for key, t in sides[name].tensors().items():
+            assert torch.equal(t.cpu(), getattr(pool.side(0, name), key)), (name, key)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -180,21 +181,21 @@ def test_kv_write_bad_inputs(device):
     side = alloc_side(2, 2, 4, 64, 8, 64, torch.Generator(), device)
     x, slots = torch.zeros(3, 2, 64, device=device), torch.arange(3, device=device)
     with pytest.raises(ValueError, match="x must be"):
-        kv_write(x[0], slots, side, 8, 64, 4)
+        kv_write(x[0], slots, side, 4)
     with pytest.raises(ValueError, match="slots"):
-        kv_write(x, slots.int(), side, 8, 64, 4)
+        kv_write(x, slots.int(), side, 4)
     with pytest.raises(ValueError, match="page_size"):
-        kv_write(x, slots, side, 8, 64, 16)
+        kv_write(x, slots, side, 16)
     with pytest.raises(ValueError, match="KV heads"):
-        kv_write(torch.zeros(3, 3, 64, device=device), slots, side, 8, 64, 4)
+        kv_write(torch.zeros(3, 3, 64, device=device), slots, side, 4)
     with pytest.raises(ValueError, match="holds"):
-        kv_write(x, slots, side, 4, 64, 4)  # an int8 side written as int4
+        kv_write(x, slots, replace(side, bits=4), 4)  # an int8 side written as int4
     with pytest.raises(ValueError, match="scales must be"):
-        kv_write(x, slots, side, 8, 32, 4)  # scales [.., 1] do not make groups of 32
+        kv_write(x, slots, replace(side, group=32), 4)  # scales [.., 1] do not make groups of 32
     with pytest.raises(ValueError, match="divide"):
-        kv_write(x, slots, side, 8, 48, 4)
+        kv_write(x, slots, replace(side, group=48), 4)
     with pytest.raises(ValueError, match="contiguous"):
-        kv_write(torch.zeros(3, 64, 2, device=device).transpose(1, 2), slots, side, 8, 64, 4)
+        kv_write(torch.zeros(3, 64, 2, device=device).transpose(1, 2), slots, side, 4)
 
 
 # ---- paged_attention ------------------------------------------------------------------------------
@@ -205,8 +206,8 @@ class Batch:
     q: torch.Tensor  # [M, H, D]
     k: list[torch.Tensor]  # per sequence fp32 [ctx, Hkv, D] as written (before quantizing)
     v: list[torch.Tensor]
-    buf_k: dict[str, torch.Tensor]
-    buf_v: dict[str, torch.Tensor]
+    k_side: KVSide
+    v_side: KVSide
     tables: list[torch.Tensor]  # int64 page ids per sequence
     positions: torch.Tensor  # int64 [M]
     seqs: list[tuple[int, int]]
@@ -214,10 +215,8 @@ class Batch:
     def args(self, fmt: KVFormat, page: int) -> dict:
         D, device = self.q.shape[2], self.q.device
         cu, ctx, bt = batch_tensors([n for _, n in self.seqs], [c for c, _ in self.seqs], self.tables, device)
-        kg, vg = groups(fmt, D)
-        return {"q": self.q, "buf_k": self.buf_k, "buf_v": self.buf_v, "k_bits": fmt.k_bits,
-                "v_bits": fmt.v_bits, "k_group": kg, "v_group": vg, "cu_query_lens": cu, "context_lens": ctx,
-                "positions": self.positions, "block_tables": bt, "page_size": page}
+        return {"q": self.q, "k_side": self.k_side, "v_side": self.v_side, "cu_query_lens": cu,
+                "context_lens": ctx, "positions": self.positions, "block_tables": bt, "page_size": page}
 
 
 def make_batch(fmt: KVFormat, page: int, D: int, H: int, Hkv: int, seqs, *, gen, device,
@@ -229,17 +228,16 @@ def make_batch(fmt: KVFormat, page: int, D: int, H: int, Hkv: int, seqs, *, gen,
     P = sum(n_pages) + 3
     order = torch.randperm(P, generator=gen)
     tables = [order[sum(n_pages[:s]): sum(n_pages[: s + 1])] for s in range(len(seqs))]
-    kg, vg = groups(fmt, D)
-    buf_k = alloc_side(P, Hkv, page, D, fmt.k_bits, kg, gen, "cpu")
-    buf_v = alloc_side(P, Hkv, page, D, fmt.v_bits, vg, gen, "cpu")
+    k_side = alloc_side(P, Hkv, page, D, fmt.k_bits, fmt.side_group("k", D), gen, "cpu")
+    v_side = alloc_side(P, Hkv, page, D, fmt.v_bits, fmt.side_group("v", D), gen, "cpu")
     ks, vs = [], []
     for (ctx, _), table in zip(seqs, tables):
         k = torch.randn(ctx, Hkv, D, generator=gen) * 2
         k[:, :, 3] += 4  # a key channel with an offset: peaked softmax rows, as real keys give
         v = torch.randn(ctx, Hkv, D, generator=gen)
         slots = table.repeat_interleave(page) * page + torch.arange(page).repeat(len(table))  # [pages * page]
-        kv_write_ref(k, slots[:ctx], buf_k, fmt.k_bits, kg, page)
-        kv_write_ref(v, slots[:ctx], buf_v, fmt.v_bits, vg, page)
+        kv_write_ref(k, slots[:ctx], k_side, page)
+        kv_write_ref(v, slots[:ctx], v_side, page)
         ks.append(k)
         vs.append(v)
     M = sum(n for _, n in seqs)
@@ -248,8 +246,8 @@ def make_batch(fmt: KVFormat, page: int, D: int, H: int, Hkv: int, seqs, *, gen,
     else:
         q = torch.randn(M, H, D, generator=gen)
     positions = torch.cat([torch.arange(c - n, c) for c, n in seqs])
-    to = lambda side: {name: t.to(device) for name, t in side.items()}  # noqa: E731
-    return Batch(q.to(device, dtype), ks, vs, to(buf_k), to(buf_v), tables, positions.to(device), list(seqs))
+    return Batch(q.to(device, dtype), ks, vs, copy_side(k_side, device), copy_side(v_side, device), tables,
+                 positions.to(device), list(seqs))
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -328,9 +326,7 @@ def test_paged_attention_ref_is_models_paged_attention(fmt, window):
                        torch.arange(M))
     want = PagedAttention(pool, batch, window)(1, q, k, v).view(M, H, D)  # writes k, v, then attends
     cu, ctx, bt = batch_tensors(batch.query_lens, batch.context_lens, tables, "cpu")
-    kg, vg = groups(plain, D)
-    got = paged_attention_ref(q, pool.sides[1]["k"], pool.sides[1]["v"], plain.k_bits, plain.v_bits, kg, vg,
-                              cu, ctx, positions, bt, page, window)
+    got = paged_attention_ref(q, pool.side(1, "k"), pool.side(1, "v"), cu, ctx, positions, bt, page, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # explicit softmax against SDPA's
 
 
@@ -343,7 +339,7 @@ def test_paged_attention_ref_against_sdpa(fmt):
     gen = torch.Generator().manual_seed(9)
     b = make_batch(fmt, page, D, H, Hkv, SEQS, gen=gen, device="cpu")
     got = paged_attention_ref(**b.args(fmt, page))
-    kg, vg = groups(fmt, D)
+    kg, vg = fmt.side_group("k", D), fmt.side_group("v", D)
     roundtrip = {16: lambda x, g: x.half().float(),
                  8: lambda x, g: dequantize_int8(*quantize_int8(x, g)),
                  4: lambda x, g: dequantize_int4(*quantize_int4(x, g))}
@@ -376,7 +372,7 @@ def test_paged_attention_bad_inputs_and_empty_batch(device):
     with pytest.raises(ValueError, match="cu_query_lens"):
         paged_attention(**(args | {"cu_query_lens": args["cu_query_lens"][:1]}))
     with pytest.raises(ValueError, match="holds"):
-        paged_attention(**(args | {"k_bits": 4}))
+        paged_attention(**(args | {"k_side": replace(b.k_side, bits=4)}))
     with pytest.raises(ValueError, match="sliding_window"):
         paged_attention(**(args | {"sliding_window": 0}))
     empty = args | {"q": b.q[:0], "positions": b.positions[:0],
@@ -391,7 +387,7 @@ def test_launchers_refuse_cpu_tensors_outside_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="CUDA"):
         paged_attention(**b.args(fmt, page))
     with pytest.raises(ValueError, match="CUDA"):
-        kv_write(torch.zeros(2, 2, 16), torch.arange(2), b.buf_k, 8, 16, page)
+        kv_write(torch.zeros(2, 2, 16), torch.arange(2), b.k_side, page)
 
 
 def test_batch_tensors_from_paged_batch_lists():

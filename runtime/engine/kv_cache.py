@@ -1,7 +1,8 @@
 """The KV pool: one preallocated set of pages per layer, in a KV format (quant/kv.py).
 
 Pages hold `page_size` tokens; the page manager (runtime/engine/pages.py) decides which page and
-slot each token gets, this module only stores and reads. Per layer and side (K, V):
+slot each token gets, this module only stores and reads. Per layer and side (K, V), one `KVSide`
+(kernels/kv_side.py), which is what the kernels take:
 
     f16   data   fp16  [P, Hkv, page, D]
     int8  codes  int8  [P, Hkv, page, D]     scales fp16 [P, Hkv, page, G]
@@ -14,10 +15,13 @@ sequence's pages and dequantizes them (the CPU path; the CUDA path reads codes i
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from lowbit.kernels import cpu_native
-from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, rotation
+from lowbit.kernels.kv_quant import quantize_int4, quantize_int8, rotation
+from lowbit.kernels.kv_side import KVSide
 from lowbit.quant.kv import KVFormat
 
 GIB = 1 << 30
@@ -29,10 +33,9 @@ class KVPool:
         if num_pages < 1:
             raise ValueError("the KV pool needs at least one page")
         self.fmt, self.page_size, self.num_pages = fmt, page_size, num_pages
-        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.rot = rotation(head_dim, device) if fmt.rotates(head_dim) else None  # [D, D] orthonormal
-        self.sides = [{"k": self._alloc(fmt.k_bits, fmt.k_group, device),
-                       "v": self._alloc(fmt.v_bits, fmt.v_group, device)} for _ in range(n_layers)]
+        self._sides = [{"k": self._alloc("k", device), "v": self._alloc("v", device)} for _ in range(n_layers)]
 
     @classmethod
     def from_budget(cls, fmt: KVFormat, n_layers: int, n_kv_heads: int, head_dim: int, budget_bytes: int,
@@ -43,23 +46,28 @@ class KVPool:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page ({per_page} bytes each in {fmt.name})")
         return cls(fmt, n_layers, n_kv_heads, head_dim, int(pages), page_size, device)
 
-    def _alloc(self, bits: int, group: int, device) -> dict[str, torch.Tensor]:
+    def _alloc(self, name: Literal["k", "v"], device) -> KVSide:
         P, H, S, D = self.num_pages, self.n_kv_heads, self.page_size, self.head_dim
+        bits, group = self.fmt.side_bits(name), self.fmt.side_group(name, D)
         if bits == 16:
-            return {"data": torch.zeros(P, H, S, D, dtype=torch.float16, device=device)}
-        G = D // self.fmt.group(bits, group, D)
-        out = {"scales": torch.zeros(P, H, S, G, dtype=torch.float16, device=device)}
+            return KVSide(bits, group, data=torch.zeros(P, H, S, D, dtype=torch.float16, device=device))
+        G = D // group
+        scales = torch.zeros(P, H, S, G, dtype=torch.float16, device=device)
         if bits == 8:
-            out["codes"] = torch.zeros(P, H, S, D, dtype=torch.int8, device=device)
-        else:
-            out["codes"] = torch.zeros(P, H, S, D // 2, dtype=torch.uint8, device=device)
-            out["mins"] = torch.zeros(P, H, S, G, dtype=torch.float16, device=device)
-        return out
+            return KVSide(bits, group, codes=torch.zeros(P, H, S, D, dtype=torch.int8, device=device), scales=scales)
+        codes = torch.zeros(P, H, S, D // 2, dtype=torch.uint8, device=device)
+        return KVSide(bits, group, codes=codes, scales=scales,
+                      mins=torch.zeros(P, H, S, G, dtype=torch.float16, device=device))
+
+    def side(self, layer: int, name: Literal["k", "v"]) -> KVSide:
+        """One layer's keys ("k") or values ("v"): the pool's own tensors, written in place; the same
+        object on every call."""
+        return self._sides[layer][name]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.sides for side in layer.values()
-                   for t in side.values())
+        return sum(t.numel() * t.element_size() for layer in self._sides for side in layer.values()
+                   for t in side.tensors().values())
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v [M, Hkv, D] (any float dtype) of M tokens → their slots (int [M]). On CPU with lowbit's
@@ -67,23 +75,20 @@ class KVPool:
         call per side instead of ~15 torch ops)."""
         kernels = cpu_native.native() if k.device.type == "cpu" else None
         page, off = slots // self.page_size, slots % self.page_size
-        for name, x, bits, group in (("k", k, self.fmt.k_bits, self.fmt.k_group),
-                                     ("v", v, self.fmt.v_bits, self.fmt.v_group)):
-            buf = self.sides[layer][name]
+        for name, x in (("k", k), ("v", v)):
+            side = self.side(layer, name)
             if kernels is not None and x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]:
-                kernels.kv_write(x, slots.to(torch.int64).contiguous(), self.page_size,
-                                 (bits, self.fmt.group(bits, group, self.head_dim), buf), self.rot)
+                kernels.kv_write(x, slots.to(torch.int64).contiguous(), self.page_size, side, self.rot)
                 continue
-            if bits == 16:
-                buf["data"][page, :, off] = x.to(buf["data"].dtype)  # [M, Hkv, D] at (page, :, off)
+            if side.bits == 16:
+                side.data[page, :, off] = x.to(side.data.dtype)  # [M, Hkv, D] at (page, :, off)
                 continue
             x = x.float() if self.rot is None else x.float() @ self.rot
-            g = self.fmt.group(bits, group, self.head_dim)
-            if bits == 8:
-                buf["codes"][page, :, off], buf["scales"][page, :, off] = quantize_int8(x, g)
+            if side.bits == 8:
+                side.codes[page, :, off], side.scales[page, :, off] = quantize_int8(x, side.group)
             else:
-                buf["codes"][page, :, off], buf["scales"][page, :, off], buf["mins"][page, :, off] = \
-                    quantize_int4(x, g)
+                side.codes[page, :, off], side.scales[page, :, off], side.mins[page, :, off] = \
+                    quantize_int4(x, side.group)
 
     def gather(self, layer: int, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's first `length` tokens, dequantized and un-rotated: k, v fp32 [Hkv, length, D]."""
@@ -95,15 +100,9 @@ class KVPool:
         rotated (models/attention.py rotates q and the output instead); every value is then computed
         elementwise, so it does not depend on which other pages are read in the same call."""
         out = []
-        for name, bits in (("k", self.fmt.k_bits), ("v", self.fmt.v_bits)):
-            buf = {key: t[pages] for key, t in self.sides[layer][name].items()}  # [n, Hkv, page, ...]
-            if bits == 16:
-                x = buf["data"].float()
-            elif bits == 8:
-                x = dequantize_int8(buf["codes"], buf["scales"])
-            else:
-                x = dequantize_int4(buf["codes"], buf["scales"], buf["mins"])
-            if self.rot is not None and bits < 16 and not rotated:
+        for side in (self.side(layer, "k"), self.side(layer, "v")):
+            x = side.pages(pages).dequantize()  # [n, Hkv, page, D]
+            if self.rot is not None and side.bits < 16 and not rotated:
                 x = x @ self.rot.T  # undo the rotation (orthonormal)
             out.append(x)
         return out[0], out[1]
