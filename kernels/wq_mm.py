@@ -33,8 +33,7 @@ Forms of the K tile (LaunchConfig.form), chosen by `choose_config`:
   mask of the loaded word, turned into a float by OR-ing it into the mantissa of 128 (bf16) or
   1024 (fp16) and subtracting that: no [BK, BN] tile is rebuilt through shared memory;
 - dot / swap: the codes unpacked to a [BK, BN] tile (swap: y^T = W x^T, the codes as the register
-  A operand of Hopper's wgmma);
-- gather: the first version (each int32 word loaded 8 times), kept for comparison in the benchmark.
+  A operand of Hopper's wgmma).
 
 Launch shapes: decode, M <= 16: one row tile, split-K over the grid so that ~4 programs per SM
 stream the weights once, each split writing its fp32 partial sums to its own slice of a workspace
@@ -204,7 +203,7 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, Kp, stride_xm, str
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    SWAP: tl.constexpr = FORM == 2 or FORM == 5  # y^T = W x^T: the codes are the dot's register operand A
+    SWAP: tl.constexpr = FORM == 1 or FORM == 4  # y^T = W x^T: the codes are the dot's register operand A
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -212,7 +211,7 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, Kp, stride_xm, str
     # K tiles of this program: pid_k, pid_k + SPLIT_K, ... (each tile lies inside one group)
     for t in range(tl.program_id(1), tl.cdiv(Kp, BLOCK_K), SPLIT_K):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        if FORM >= 4:
+        if FORM >= 3:
             part = _nibble_dots(x_ptr, q_ptr, t, offs_m, m_ok, offs_n, n_ok, N, K, Kp, stride_xm,
                                 HAS_MIN, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, SWAP, INTERP)
             if HAS_MIN:  # one contiguous reload of the tile (L1) for its row sums
@@ -233,19 +232,9 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, Kp, stride_xm, str
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # [BM, BK]
             xsum = tl.sum(x.to(tl.float32), axis=1)[:, None]  # [BM, 1]
-            if FORM == 0:  # the first formulation, kept for comparison: each word loaded 8 times
-                w_ok = (offs_k[:, None] < Kp) & n_ok[None, :]
-                if BITS == 4:
-                    words = tl.load(q_ptr + (offs_k // 8)[:, None] * N + offs_n[None, :], mask=w_ok, other=0)
-                    u = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF  # [BK, BN] codes 0..15
-                    if not HAS_MIN:
-                        u = u - 8
-                else:
-                    u = tl.load(q_ptr + offs_k[:, None] * N + offs_n[None, :], mask=w_ok, other=0)  # [BK, BN]
-            else:
-                u = _codes(q_ptr, t, offs_n, n_ok, N, Kp, BITS, HAS_MIN, BLOCK_N, BLOCK_K, False)  # [BK, BN]
+            u = _codes(q_ptr, t, offs_n, n_ok, N, Kp, BITS, HAS_MIN, BLOCK_N, BLOCK_K, False)  # [BK, BN]
         # The codes (|u| <= 127) are exact in fp16/bf16/fp32, so only the fp32 accumulation rounds.
-        if FORM >= 4:
+        if FORM >= 3:
             pass
         elif SWAP:
             u = u.to(tl.float32).to(x.dtype)  # via fp32: Triton's interpreter casts int -> bf16 wrongly
@@ -314,7 +303,7 @@ def _wq_dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, N, Kp, BITS: tl.constexpr, HA
              mask=(offs_k[:, None] < Kp) & n_ok[None, :])
 
 
-FORMS = ("gather", "dot", "swap", "dequant", "nib", "nibswap")  # index = the kernel's FORM
+FORMS = ("dot", "swap", "dequant", "nib", "nibswap")  # index = the kernel's FORM (swap 1, nib forms >= 3)
 
 
 @dataclass(frozen=True)
@@ -327,8 +316,8 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     # how a tile is computed: "dot" y = x @ codes; "swap" y^T = codes^T @ x^T (the codes stay in
-    # registers as the tensor-core A operand); "dequant" a W^T copy
-    # in x's dtype, then torch.matmul (cuBLAS); "gather" the first version (each word loaded 8 times)
+    # registers as the tensor-core A operand); "dequant" a W^T copy in x's dtype, then torch.matmul
+    # (cuBLAS); "nib" / "nibswap" 8 dots per K tile, one per nibble (int4, BLOCK_K a multiple of 128)
     form: str = "dot"
 
 
@@ -346,16 +335,11 @@ def _smem_limit(device: torch.device) -> int | None:
 def smem_estimate(cfg: LaunchConfig, x_bytes: int, bits: int) -> int:
     """Bytes of shared memory a launch needs, on the safe side: each pipeline stage holds the x tile
     and the packed weight tile, plus one [BK, BN] operand in x's dtype and an fp32 [BM, BN] epilogue
-    tile. The "gather" form's stage held its [BK, BN] tile of repeated int32 words (8x the packed
-    bytes) and its converted operand: on an H200 (Triton 3.6) int4 g128, fp16, 128x128x128 with 3
-    stages asked for 241,664 bytes (estimate 286,720) and did not fit its 232,448."""
+    tile."""
     x_tile = cfg.block_m * cfg.block_k * x_bytes
     operand = cfg.block_k * cfg.block_n * x_bytes
     if cfg.form == "dequant":
         return 0
-    if cfg.form == "gather":
-        stage = x_tile + operand + cfg.block_k * cfg.block_n * bits // 8
-        return cfg.num_stages * stage + cfg.block_m * cfg.block_n * 4
     stage = x_tile + cfg.block_k * cfg.block_n * bits // 8
     return cfg.num_stages * stage + operand + cfg.block_m * cfg.block_n * 4
 
@@ -377,7 +361,7 @@ def shrink(cfg: LaunchConfig) -> LaunchConfig | None:
 def choose_config(M: int, w: WQPacked, device: torch.device, x_dtype: torch.dtype = torch.float16,
                   out_dtype: torch.dtype | None = None) -> LaunchConfig:
     """Tile shapes and form by problem shape (form choice from sm_90 SASS of one 128x64 int4 tile per
-    program, bf16, instructions in the loop per packed int32 word: gather 92, dot 59, swap 66,
+    program, bf16, instructions in the loop per packed int32 word: dot 59, swap 66,
     nib 46 (symmetric) / 59 (with mins); streaming 4.8 TB/s over 132 SMs leaves ~28). Decode: nib for
     128-wide groups, dot for narrower ones, split-K so the grid holds ~4 programs of 64 columns per SM.
     (A CUDA-core "gemv" form was tried and dropped: wrong on the H200, right under the interpreter.) Prefill: 64- or 128-row tiles; from DEQUANT_MIN_ROWS rows (16-bit x and y) the

@@ -18,8 +18,8 @@ GB/s counts the bytes a call must move at least: packed weight + scales (+ mins)
 (default by GPU name: H200 4800, H100 SXM 3350, otherwise none). Every layout and shape is checked
 against wq_mm_ref (fp32) at --check-m rows; a wrong result exits 1 after the table.
 --sweep times a few LaunchConfigs on 4096x4096 int4-g128 for M = 1, 16, 2048 (input for
-choose_config), the kernel forms among them (LaunchConfig.form: the first version "gather" beside
-"nib", "dot", "swap", "dequant"), so one run compares old and new. --precompile N compiles the kernels in N worker processes before timing (Triton's
+choose_config), the kernel forms among them (LaunchConfig.form: "nib", "nibswap", "dot", "swap",
+"dequant"). --precompile N compiles the kernels in N worker processes before timing (Triton's
 disk cache), so a fresh machine spends seconds, not minutes, compiling. --budget-s stops starting
 new rows when exceeded (the outputs then say which rows were skipped, and the exit status is 3).
 """
@@ -127,22 +127,18 @@ def bench_ms(fn, device: torch.device, warmup: int, rep: int, graphs: bool = Fal
 
 
 def sweep_candidates(M: int, layout: str, smoke: bool) -> tuple[list[LaunchConfig], tuple]:
-    """Stage 1: kernel forms (LaunchConfig.form: old "gather" against the new ones) x tile shape x
-    split-K (decode) or tile shape (prefill); stage 2 tries the (num_warps, num_stages) pairs
-    returned here around the best two. BLOCK_K is the group (a K tile never straddles a group),
-    128 per channel; the nibble forms need 128."""
+    """Stage 1: kernel forms (LaunchConfig.form) x tile shape x split-K (decode) or tile shape
+    (prefill); stage 2 tries the (num_warps, num_stages) pairs returned here around the best two.
+    BLOCK_K is the group (a K tile never straddles a group), 128 per channel; the nibble forms need 128."""
     bk = parse_weights(layout).group_size or 128
     nib = bk % 128 == 0 and parse_weights(layout).bits == 4
     if M <= DECODE_MAX_ROWS:
-        stage1 = [LaunchConfig(16, 64, bk, 4, 1, 4, 2, "gather"),  # the best of the first sweep (0.073 ms)
-                  *[LaunchConfig(16, bn, bk, sk, 1, 4, 3, "nib") for bn in (64, 128) for sk in (4, 8, 16) if nib],
+        stage1 = [*[LaunchConfig(16, bn, bk, sk, 1, 4, 3, "nib") for bn in (64, 128) for sk in (4, 8, 16) if nib],
                   *[LaunchConfig(16, 64, bk, sk, 1, 4, 3, f) for f in ("nibswap",) for sk in (8,) if nib],
-                  *[LaunchConfig(16, 64, bk, sk, 1, 4, 3, f) for f in ("dot", "swap") for sk in (4, 8)],
-                  ]
+                  *[LaunchConfig(16, 64, bk, sk, 1, 4, 3, f) for f in ("dot", "swap") for sk in (4, 8)]]
         variants = ((4, 2), (4, 4), (8, 3))
     else:
-        stage1 = [LaunchConfig(128, 128, bk, 1, 8, 8, 3, "gather"),  # the best of the first sweep (0.415 ms)
-                  LaunchConfig(16, 128, bk, 1, 1, 4, 1, "dequant"),
+        stage1 = [LaunchConfig(16, 128, bk, 1, 1, 4, 1, "dequant"),
                   *[LaunchConfig(bm, 128, bk, 1, 8, w, 3, f) for f in ("dot", "swap", *(("nib",) if nib else ()))
                     for bm, w in ((64, 4), (128, 8))]]
         variants = ((4, 3), (8, 2), (8, 4))
