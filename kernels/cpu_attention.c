@@ -1,12 +1,12 @@
-/* Decode attention over the contiguous fp32 cache (models/llama.py KVCache: `lowbit run`, evaluation,
- * generate's loop): one new token per sequence, each at its own position. Writes the token's K/V into
- * the cache, then attends over keys 0..pos (or the last `window` of them) — what the model did with a
- * slice assignment and SDPA, in one call (kernels/cpu_native.py has the measurements).
+/* Attention over the engine's paged pool (runtime/engine/kv_cache.py) and the quantize-on-write
+ * that fills it: decode attention straight from the pages of every format (fp32, fp16, 8-bit and
+ * 4-bit codes), one query row per token, each row's result depending only on its own inputs; and the
+ * K/V of a step written into their slots with kernels/kv_quant.py's arithmetic (kernels/cpu_native.py
+ * binds both, models/attention.py calls them).
  *
- * Per (sequence, head): s_j = (q . k_j) * scale, p = softmax(s) (max subtracted, expf), out = sum p_j v_j
- * / sum p_j; fp32, q.k summed in 8 lanes then lanes 0..7 in order. Query head h reads KV head
- * h / (H / Hkv) (grouped-query attention, as SDPA's enable_gqa). A sequence's result depends only on
- * its own inputs.
+ * Per (row, head): s_j = (q . k_j) * scale, p = softmax(s) (max subtracted, expf), out = sum p_j v_j
+ * / sum p_j, fp32. Query head h reads KV head h / (H / Hkv) (grouped-query attention, as SDPA's
+ * enable_gqa).
  */
 #include <math.h>
 #include <omp.h>
@@ -16,74 +16,6 @@
 #include "cpu_kernels.h"
 
 #include <immintrin.h>
-
-static inline float dot(const float *a, const float *b, int64_t D) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    float s = 0.0f;
-    for (; d < D; d++) s += a[d] * b[d];
-    for (int l = 0; l < 8; l++) s += lanes[l];
-    return s;
-}
-
-/* q: [B, H, D] with sequence rows sq floats apart (heads D apart); k, v: [B, Hkv, D], rows skv apart;
- * cache k/v of one layer: element (b, h, s, d) at b * cb + h * ch + s * D + d (S slots per head);
- * pos int64 [B]; window <= 0: none → out fp32 [B, H, D] contiguous. Returns 0, or -1 for a position
- * outside the cache, -2 for a failed allocation. */
-int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const float *v, int64_t skv, float *cache_k,
-                            float *cache_v, int64_t cb, int64_t ch, int64_t B, int64_t H, int64_t Hkv, int64_t S,
-                            int64_t D, const int64_t *pos, int64_t window, float scale, float *out, int nthreads) {
-    if (H % Hkv) return -1;
-    for (int64_t b = 0; b < B; b++) {
-        if (pos[b] < 0 || pos[b] >= S) return -1;
-        for (int64_t h = 0; h < Hkv; h++)
-            for (int64_t d = 0; d < D; d++) {
-                cache_k[b * cb + h * ch + pos[b] * D + d] = k[b * skv + h * D + d];
-                cache_v[b * cb + h * ch + pos[b] * D + d] = v[b * skv + h * D + d];
-            }
-    }
-    const int64_t group = H / Hkv;
-    int failed = 0;
-#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : failed)
-    for (int64_t bh = 0; bh < B * H; bh++) {
-        const int64_t b = bh / H, h = bh % H, kvh = h / group;
-        const int64_t last = pos[b], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
-        const int64_t n = last - first + 1;
-        float *p = malloc(sizeof(float) * (size_t)n);
-        if (!p) {
-            failed = 1;
-            continue;
-        }
-        const float *qh = q + b * sq + h * D;
-        const float *kh = cache_k + b * cb + kvh * ch + first * D, *vh = cache_v + b * cb + kvh * ch + first * D;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; j++) {
-            p[j] = dot(qh, kh + j * D, D) * scale;
-            mx = p[j] > mx ? p[j] : mx;
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; j++) {
-            p[j] = expf(p[j] - mx);
-            sum += p[j];
-        }
-        float *o = out + (b * H + h) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-        for (int64_t j = 0; j < n; j++) {
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            int64_t d = 0;
-            for (; d + 8 <= D; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pj, _mm256_loadu_ps(vh + j * D + d), _mm256_loadu_ps(o + d)));
-            for (; d < D; d++) o[d] += p[j] * vh[j * D + d];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t d = 0; d < D; d++) o[d] *= inv;
-        free(p);
-    }
-    return failed ? -2 : 0;
-}
 
 /* The sum of 8 lanes, in a fixed tree. */
 static inline float hsum8(__m256 v) {
@@ -140,11 +72,18 @@ static inline int64_t kv_token(const int64_t *table, int64_t page_size, int64_t 
 }
 
 /* Token vector `t` (page-major index (page * Hkv + h) * page_size + slot) of one side, without its
- * scales: x[D] = the 8-bit codes, the 4-bit codes u, or the fp16 values, as floats; d[G], m[G] the
- * scale and min of each group of the vector (8-bit: m = 0; 16-bit: one group, d = 1, m = 0) → G.
+ * scales: x[D] = the 8-bit codes, the 4-bit codes u, or the fp16 / fp32 values, as floats; d[G], m[G]
+ * the scale and min of each group of the vector (8-bit: m = 0; 16- and 32-bit: one group, d = 1, m = 0)
+ * → G.
  * Attention multiplies the scales in once per group (scores d * (q . c) + m * sum q, values
  * (p d) u + p m) rather than once per value. */
 static inline int64_t kv_codes(const lowbit_kv_side *s, int64_t t, int64_t D, float *x, float *d, float *m) {
+    if (s->bits == 32) {  /* the values as stored: x = data, exactly */
+        const float *f = (const float *)s->codes + t * D;
+        for (int64_t k = 0; k + 8 <= D; k += 8) _mm256_storeu_ps(x + k, _mm256_loadu_ps(f + k));
+        d[0] = 1.0f, m[0] = 0.0f;
+        return 1;
+    }
     if (s->bits == 16) {
         const uint16_t *h = (const uint16_t *)s->codes + t * D;
         for (int64_t k = 0; k + 8 <= D; k += 8)
@@ -200,7 +139,7 @@ static inline void prefetch_range(const void *p, int64_t bytes) {
 /* Tokens t..t+n-1 of one KV head, all in one page (their index `t` is page-major, so they are
  * adjacent): codes, scales and mins. */
 static inline void kv_prefetch(const lowbit_kv_side *s, int64_t t, int64_t n, int64_t D) {
-    const int64_t bytes = s->bits * D / 8, G = s->bits == 16 ? 0 : D / s->group;
+    const int64_t bytes = s->bits * D / 8, G = s->bits >= 16 ? 0 : D / s->group;
     prefetch_range((const char *)s->codes + t * bytes, n * bytes);
     if (G) prefetch_range(s->scales + t * G, 2 * n * G);
     if (G && s->bits == 4) prefetch_range(s->mins + t * G, 2 * n * G);
@@ -305,7 +244,7 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
                                  int64_t page_size, const lowbit_kv_side *ks, const lowbit_kv_side *vs,
                                  const float *rot, float scale, float *scratch, size_t per_thread, float *partials,
                                  float *out) {
-    const int64_t grp = H / Hkv, GK = ks->bits == 16 ? 1 : D / ks->group, GV = vs->bits == 16 ? 1 : D / vs->group;
+    const int64_t grp = H / Hkv, GK = ks->bits >= 16 ? 1 : D / ks->group, GV = vs->bits >= 16 ? 1 : D / vs->group;
     const int64_t gk = D / GK, gv = D / GV;
     float *buf = scratch + per_thread * (size_t)omp_get_thread_num();
 #pragma omp for schedule(dynamic)
@@ -449,22 +388,30 @@ int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t
 /* fp32 → fp16 bits, round to nearest even (torch's .half()). */
 static inline uint16_t to_half(float v) { return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
 
-/* Whether a side takes quantize-on-write of D-wide vectors. */
+/* Whether a side takes quantize-on-write of D-wide vectors: fp32 or fp16 values, or 8/4-bit codes in
+ * groups that divide D (4 bits: even groups). */
 static int kv_side_ok(const lowbit_kv_side *s, int64_t D) {
-    return !(D % 2 || (s->bits != 16 && (D % s->group || s->group % 2)));
+    if (D % 2) return 0;
+    if (s->bits == 32 || s->bits == 16) return 1;
+    return (s->bits == 8 || s->bits == 4) && !(D % s->group || s->group % 2);
 }
 
 /* Quantize-on-write of one (token m, head h) vector (kernels/kv_quant.py's specs, the same arithmetic:
  * fp32 group max/min, the scale rounded to fp16 before the codes are chosen, round half to even):
  * x fp32 [M, Hkv, D] (token rows sx floats apart, heads D apart), rotated first (x @ R, rot its D
- * signs: `rotate`) when given, into its slot of the side; f16 sides store fp16(x). y: D floats of scratch. */
+ * signs: `rotate`) when given, into its slot of the side; f16 sides store fp16(x), f32 sides x itself
+ * (neither is rotated). y: D floats of scratch. */
 static void kv_write_one(const float *x, int64_t sx, int64_t Hkv, int64_t D, const int64_t *slots, int64_t page_size,
                          const lowbit_kv_side *s, const float *rot, int64_t m, int64_t h, float *y) {
     const int64_t t = ((slots[m] / page_size) * Hkv + h) * page_size + slots[m] % page_size;
     const float *xv = x + m * sx + h * D;
-    if (rot && s->bits != 16) {
+    if (rot && s->bits < 16) {
         rotate(xv, rot, D, 0, y);
         xv = y;
+    }
+    if (s->bits == 32) {
+        for (int64_t d = 0; d < D; d++) ((float *)s->codes)[t * D + d] = xv[d];
+        return;
     }
     if (s->bits == 16) {
         for (int64_t d = 0; d < D; d++) ((uint16_t *)s->codes)[t * D + d] = to_half(xv[d]);

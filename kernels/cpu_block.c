@@ -11,9 +11,9 @@
  * the fused calls run, so a row computed by the fused path equals, bit for bit, the row the unfused
  * path gives (the engine mixes both in one step: prompt rows exact, generated rows fast).
  *
- * Last, a whole single-token step in one call — lowbit_decode_layers over the contiguous cache,
- * lowbit_decode_paged_layers over the paged pool — runs these halves and cpu_attention.c's kernels
- * for every layer in the order the per-block path calls them, so it is bit-identical to that path.
+ * Last, a whole decode step in one call — lowbit_decode_paged_layers over the paged pool — runs
+ * these halves and cpu_attention.c's kernels for every layer in the order the per-block path calls
+ * them, so it is bit-identical to that path.
  *
  * Every op works row by row in an order fixed by this code: a row's result never depends on the
  * other rows of the call (speculative verification and batching rely on it).
@@ -229,35 +229,7 @@ int lowbit_block_post(const lowbit_ctx *c, const lowbit_block *b, int64_t M, con
     return 0;
 }
 
-/* A whole single-token step over the contiguous fp32 cache, every block in turn: block_pre, decode
- * attention (cpu_attention.c) on layer l of the cache (element (l, b, h, s, d) at l * cl + b * cb +
- * h * ch + s * D + d), block_post — the very calls the per-block path makes from Python, in the same
- * order, so the result is bit-identical to it; one call instead of three per layer. delta [M, dim]:
- * the embeddings in, the last block's output out; residual [M, dim] out; scale: attention's 1/sqrt(D)
- * as the Python caller passes it to the per-block path. */
-int lowbit_decode_layers(const lowbit_ctx *c, const lowbit_block *blocks, int64_t L, int64_t M, float *delta,
-                         float *residual, const float *cos, const float *sin, float *cache_k, float *cache_v,
-                         int64_t cl, int64_t cb, int64_t ch, int64_t S, const int64_t *pos, int64_t window,
-                         float scale) {
-    const lowbit_block *b0 = blocks;
-    const int64_t D = b0->head_dim, W = (b0->n_heads + 2 * b0->n_kv_heads) * D;
-    float *qkv = malloc(sizeof(float) * (size_t)(M * W)), *attn = malloc(sizeof(float) * (size_t)(M * b0->n_heads * D));
-    int rc = qkv && attn ? 0 : -2;
-    for (int64_t l = 0; l < L && rc == 0; l++) {
-        const lowbit_block *b = blocks + l;
-        rc = lowbit_block_pre(c, b, M, delta, residual, l > 0, cos, sin, qkv);
-        if (rc == 0)
-            rc = lowbit_decode_attention(qkv, W, qkv + b->n_heads * D, qkv + (b->n_heads + b->n_kv_heads) * D, W,
-                                         cache_k + l * cl, cache_v + l * cl, cb, ch, M, b->n_heads, b->n_kv_heads, S, D,
-                                         pos, window, scale, attn, (int)c->nthreads);
-        if (rc == 0) rc = lowbit_block_post(c, b, M, attn, residual, delta);
-    }
-    free(qkv);
-    free(attn);
-    return rc;
-}
-
-/* A whole decode step over the paged pool (runtime/kv_cache.py), every row one token, in one parallel
+/* A whole decode step over the paged pool (runtime/engine/kv_cache.py), every row one token, in one parallel
  * region: per block, block_pre, the K and V of the step quantized into their slots (kv_write, rotated
  * by write_rot when the format rotates), paged decode attention over each row's first ctx[r] tokens
  * (attn_rot: both sides rotated; both are the rotation's D signs, cpu_attention.c `rotate`),

@@ -114,9 +114,9 @@ def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: tor
 
 
 class FusedLayers:
-    """Every block of a model as FusedBlocks, for a single-token step over the contiguous fp32 cache in
-    one C call (cpu_block.c lowbit_decode_layers: the per-block calls and the C decode attention, in
-    the per-block path's order, so the logits are bit-identical to it)."""
+    """Every block of a model as FusedBlocks, for a step whose rows are all single-token queries in one
+    C call over the paged pool (cpu_block.c lowbit_decode_paged_layers: the per-block calls and the C
+    paged decode attention, in the per-block path's order, so the logits are bit-identical to it)."""
 
     def __init__(self, blocks: list[FusedBlock]):
         self.blocks = blocks
@@ -125,26 +125,6 @@ class FusedLayers:
         self._sides = None  # (kernels, k sides, v sides, their ctypes arrays) of the pool last stepped over
 
     ready = staticmethod(FusedBlock.ready)
-
-    def decode(self, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
-               cache_v: torch.Tensor, positions: torch.Tensor, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """delta fp32 [B, dim] (the embeddings; overwritten), cos/sin fp32 [B, D], the cache fp32 [L, B, Hkv,
-        S, D], positions int64 [B] → (last block's output, residual), fp32 [B, dim]."""
-        d = self.blocks[0].desc
-        B = _check_rows(delta, cos, sin, self.dim, d.head_dim)
-        L, Bc, Hkv, S, D = cache_k.shape
-        if (L, Bc, Hkv, D) != (len(self.blocks), B, d.n_kv_heads, d.head_dim) or cache_k.stride() != cache_v.stride() \
-                or cache_k.stride(3) != D or cache_k.stride(4) != 1 or cache_k.dtype != torch.float32 \
-                or cache_v.shape != cache_k.shape or cache_v.dtype != torch.float32 or positions.dtype != torch.int64 \
-                or positions.shape != (B,) or not positions.is_contiguous():
-            raise ValueError(f"cpu fused layers: unsupported cache {tuple(cache_k.shape)} strides {cache_k.stride()}")
-        residual = torch.empty(B, self.dim)
-        rc = cpu_native.native().decode_layers(self.array, B, delta, residual, cos, sin, cache_k, cache_v, positions,
-                                               window)
-        if rc:
-            raise ValueError("cpu fused layers: a position outside the cache" if rc == -1 else
-                             f"cpu fused layers failed with status {rc}")
-        return delta, residual
 
     def _side_arrays(self, kernels, k_sides: list, v_sides: list, D: int):
         """The pool's per-layer descriptors, built on the first step over a pool and kept while steps

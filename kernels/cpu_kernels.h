@@ -120,10 +120,10 @@ typedef struct {
     lowbit_linear qkv, o, gate_up, down;  /* qkv: [(H + 2 Hkv) D, dim]; gate_up: [2 hidden, dim] */
 } lowbit_block;
 
-/* One side (K or V) of one layer of the paged pool (runtime/kv_cache.py), as stored: bits 16: fp16
- * data [P, Hkv, page, D]; 8: int8 codes [P, Hkv, page, D], fp16 scales [P, Hkv, page, D/group] (x = d q);
- * 4: uint8 codes [P, Hkv, page, D/2] (low nibble first), fp16 scales and mins [P, Hkv, page, D/group]
- * (x = d u + m). */
+/* One side (K or V) of one layer of the paged pool (runtime/kv_cache.py), as stored (codes points at
+ * a float side's data): bits 32: fp32 data [P, Hkv, page, D]; 16: fp16 data [P, Hkv, page, D]; 8: int8
+ * codes [P, Hkv, page, D], fp16 scales [P, Hkv, page, D/group] (x = d q); 4: uint8 codes
+ * [P, Hkv, page, D/2] (low nibble first), fp16 scales and mins [P, Hkv, page, D/group] (x = d u + m). */
 typedef struct {
     int64_t bits, group;
     void *codes;
@@ -191,9 +191,6 @@ void lowbit_add_rms_norm(const float *x, int64_t sx, float *res, int has_res, co
 void lowbit_rotary(float *x, int64_t M, int64_t H, int64_t sm, int64_t sh, int64_t D, const float *cos,
                    const float *sin);
 void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I, float *out);
-int lowbit_decode_attention(const float *q, int64_t sq, const float *k, const float *v, int64_t skv, float *cache_k,
-                            float *cache_v, int64_t cb, int64_t ch, int64_t B, int64_t H, int64_t Hkv, int64_t S,
-                            int64_t D, const int64_t *pos, int64_t window, float scale, float *out, int nthreads);
 int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t D, const int64_t *slots,
                     int64_t page_size, const lowbit_kv_side *s, const float *rot);
 int lowbit_kv_write_team(const float *kx, const float *vx, int64_t sx, int64_t M, int64_t Hkv, int64_t D,
@@ -212,15 +209,11 @@ int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t
                                   const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
                                   int64_t window, float scale, float *out, int nthreads);
 
-/* cpu_block.c: a block's fused halves, and a whole single-token step over either cache. */
+/* cpu_block.c: a block's fused halves, and a whole decode step over the paged pool. */
 int lowbit_block_pre(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *delta, float *residual,
                      int has_res, const float *cos, const float *sin, float *qkv);
 int lowbit_block_post(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *attn, float *residual,
                       float *delta);
-int lowbit_decode_layers(const lowbit_ctx *c, const lowbit_block *blocks, int64_t L, int64_t M, float *delta,
-                         float *residual, const float *cos, const float *sin, float *cache_k, float *cache_v,
-                         int64_t cl, int64_t cb, int64_t ch, int64_t S, const int64_t *pos, int64_t window,
-                         float scale);
 int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, int64_t L, int64_t M, float *delta,
                                float *residual, const float *cos, const float *sin, const int64_t *slots,
                                int64_t page_size, const lowbit_kv_side *k_sides, const lowbit_kv_side *v_sides,

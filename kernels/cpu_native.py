@@ -1,11 +1,10 @@
 """lowbit's C kernels for the CPU path, built on first use into one library and called through ctypes:
 the decode-sized matmul over lowbit's packed int4/int8 layouts and the exact path's weight tiles
 (kernels/cpu_wq_mm.c, with the integer inner loops of kernels/cpu_wq_tiles.c compiled once per
-instruction set); the small per-row ops of a block, its two fused halves, and a whole single-token
-step in one call over either cache (kernels/cpu_block.c, driven by kernels/cpu_block.py); decode
-attention over the contiguous cache, attention straight from the paged quantized pool, and
-quantize-on-write (kernels/cpu_attention.c). The files share their structs through
-kernels/cpu_kernels.h, which also declares every export.
+instruction set); the small per-row ops of a block, its two fused halves, and a whole decode step
+in one call over the paged pool (kernels/cpu_block.c, driven by kernels/cpu_block.py); attention
+straight from the paged quantized pool, and quantize-on-write (kernels/cpu_attention.c). The files
+share their structs through kernels/cpu_kernels.h, which also declares every export.
 
 The ABI: ctypes trusts whatever it is told, so a struct field added on one side only would corrupt
 memory silently. `load` therefore checks the library against this module before binding it — its
@@ -157,10 +156,6 @@ class NativeKernels:
         blk = ctypes.POINTER(_Block)
         lib.lowbit_block_pre.argtypes = [ctxp, blk, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr]
         lib.lowbit_block_post.argtypes = [ctxp, blk, i64, ptr, ptr, ptr]
-        lib.lowbit_decode_layers.argtypes = [ctxp, blk, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr,
-                                             i64, f32]
-        lib.lowbit_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
-                                                ptr, i64, f32, ptr, ctypes.c_int]
         side = ctypes.POINTER(_KVSide)
         lib.lowbit_kv_write.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, side, ptr]
         lib.lowbit_decode_paged_layers.argtypes = [ctxp, blk, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, side, side, ptr,
@@ -275,17 +270,6 @@ class NativeKernels:
         return self.lib.lowbit_block_post(self._ctx(), ctypes.byref(block), M, attn.data_ptr(), residual.data_ptr(),
                                           delta.data_ptr())
 
-    def decode_layers(self, blocks, M: int, delta: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pos: torch.Tensor,
-                      window: int | None) -> int:
-        """Every block of a single-token step over the contiguous cache (cpu_block.c); blocks: a ctypes
-        array of _Block; cache_k/v fp32 [L, B, Hkv, S, D] (rows of S contiguous). Returns the C status."""
-        L, B, Hkv, S, D = cache_k.shape
-        return self.lib.lowbit_decode_layers(self._ctx(), blocks, len(blocks), M, delta.data_ptr(), residual.data_ptr(),
-                                             cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
-                                             cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), S, pos.data_ptr(),
-                                             window or 0, D ** -0.5)
-
     def decode_paged_layers(self, blocks, M: int, delta: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, slots: torch.Tensor, page_size: int, k_sides: list, v_sides: list,
                             write_rot: torch.Tensor | None, attn_rot: torch.Tensor | None, ctx: torch.Tensor,
@@ -300,30 +284,6 @@ class NativeKernels:
             slots.data_ptr(), page_size, ks, vs, self._signs(write_rot), self._signs(attn_rot), ctx.data_ptr(),
             tables.data_ptr(), toff.data_ptr(),
             window or 0, D ** -0.5)
-
-    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
-                         cache_v: torch.Tensor, pos: torch.Tensor, window: int | None) -> torch.Tensor:
-        """One new token per sequence (cpu_attention.c): q [B, H, D], k/v [B, Hkv, D] fp32 (heads
-        contiguous, any row stride), cache_k/v: one layer of the contiguous cache, fp32 [B, Hkv, S, D]
-        (rows of S contiguous), pos int64 [B] → k/v written at pos, out fp32 [B, H, D]."""
-        B, H, D = q.shape
-        _, Hkv, S, _ = cache_k.shape
-        ok = all(t.dtype == torch.float32 and t.stride(2 if t.dim() == 3 else 3) == 1 for t in (q, k, v, cache_k, cache_v))
-        ok = ok and q.stride(1) == D and k.stride(1) == D and v.stride(1) == D and k.stride(0) == v.stride(0) \
-            and tuple(k.shape) == tuple(v.shape) == (B, Hkv, D) and cache_k.stride() == cache_v.stride() \
-            and cache_k.stride(2) == D and tuple(cache_v.shape) == (B, Hkv, S, D) and pos.dtype == torch.int64 \
-            and tuple(pos.shape) == (B,) and pos.is_contiguous() and H % Hkv == 0
-        if not ok:
-            raise ValueError(f"cpu decode attention: unsupported input q {tuple(q.shape)} cache {tuple(cache_k.shape)}")
-        out = torch.empty(B, H, D)
-        rc = self.lib.lowbit_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
-                                              cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(0),
-                                              cache_k.stride(1), B, H, Hkv, S, D, pos.data_ptr(), window or 0,
-                                              D ** -0.5, out.data_ptr(), torch.get_num_threads())
-        if rc:
-            raise ValueError("cpu decode attention: a position outside the cache" if rc == -1 else
-                             "cpu decode attention: out of memory")
-        return out
 
     def paged_decode_attention(self, q: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, toff: torch.Tensor,
                                page_size: int, k_side: KVSide, v_side: KVSide,
@@ -403,15 +363,15 @@ class NativeKernels:
     @staticmethod
     def _new_side(s: KVSide, D: int) -> _KVSide:
         bits, group = s.bits, s.group
-        if bits == 16:
-            ok = s.data.dtype == torch.float16 and s.data.is_contiguous()
-            side = _KVSide(16, D, s.data.data_ptr(), None, None)
+        if bits in (32, 16):  # fp32 / fp16 values: the data pointer in `codes` (cpu_kernels.h)
+            ok = s.data.dtype == (torch.float32 if bits == 32 else torch.float16) and s.data.is_contiguous()
+            side = _KVSide(bits, D, s.data.data_ptr(), None, None)
         else:
             ok = all(x.is_contiguous() for x in s.tensors().values()) and s.scales.dtype == torch.float16 \
                 and s.scales.shape[-1] * group == D and group % (16 if bits == 4 else 8) == 0  # vector steps
             side = _KVSide(bits, group, s.codes.data_ptr(), s.scales.data_ptr(),
                            s.mins.data_ptr() if bits == 4 else None)
-        if not ok or bits not in (4, 8, 16):
+        if not ok or bits not in (4, 8, 16, 32):
             raise ValueError(f"cpu paged decode attention: unsupported {bits}-bit cache side")
         return side
 

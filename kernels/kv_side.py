@@ -6,6 +6,7 @@ The pool (runtime/engine/kv_cache.py) allocates each side once and hands out the
 tensors are written in place, so a side never needs rebuilding. The layout, P pages of `page`
 tokens, Hkv KV heads, head dim D, G = D / group groups per vector:
 
+    f32   data   fp32  [P, Hkv, page, D]
     f16   data   fp16  [P, Hkv, page, D]
     int8  codes  int8  [P, Hkv, page, D]     scales fp16 [P, Hkv, page, G]
     int4  codes  uint8 [P, Hkv, page, D/2]   scales, mins fp16 [P, Hkv, page, G]
@@ -26,9 +27,9 @@ from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8
 # compare and hash by identity, and a pool's side is one object for the pool's lifetime
 @dataclass(frozen=True, eq=False)
 class KVSide:
-    bits: int  # 16 | 8 | 4
-    group: int  # values per scale, the format's group capped at D (KVFormat.side_group); D for 16 bits
-    data: torch.Tensor | None = None  # fp16 [P, Hkv, page, D]: a 16-bit side only
+    bits: int  # 32 | 16 | 8 | 4
+    group: int  # values per scale, the format's group capped at D (KVFormat.side_group); D for 32 and 16 bits
+    data: torch.Tensor | None = None  # fp32 / fp16 [P, Hkv, page, D]: a 32- or 16-bit (float) side only
     codes: torch.Tensor | None = None  # int8 [P, Hkv, page, D], or uint8 [P, Hkv, page, D/2] packed low nibble first
     scales: torch.Tensor | None = None  # fp16 [P, Hkv, page, G]: 8 and 4 bits
     mins: torch.Tensor | None = None  # fp16 [P, Hkv, page, G]: 4 bits only (asymmetric)
@@ -53,8 +54,9 @@ class KVSide:
 
     def dequantize(self) -> torch.Tensor:
         """Every stored vector → fp32 [..., D] by kernels/kv_quant.py's spec (still rotated, if the
-        format rotates). The groups come from the scales' shape."""
-        if self.bits == 16:
+        format rotates). The groups come from the scales' shape. A 32-bit side's is its data itself
+        (no copy: callers read `pages`' copy)."""
+        if self.bits >= 16:
             return self.data.float()
         if self.bits == 8:
             return dequantize_int8(self.codes, self.scales)
@@ -63,15 +65,15 @@ class KVSide:
     def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes or data, scales, mins) for a Triton kernel, which takes three pointers whatever the
         format: the codes stand in for the ones this side lacks (never read)."""
-        codes = self.data if self.bits == 16 else self.codes
+        codes = self.data if self.bits >= 16 else self.codes
         return (codes, codes if self.scales is None else self.scales, codes if self.mins is None else self.mins)
 
     def check(self, D: int, page_size: int | None, Hkv: int | None, op: str) -> tuple[int, int, int]:
         """That the side has the layout above for head dim D (and page_size tokens a page, Hkv heads,
         where given); `op` names the caller in the error. Returns (P, Hkv, page) of its tensors."""
-        bits, group = self.bits, D if self.bits == 16 else self.group
-        if bits == 16:
-            want = {"data": (torch.float16, D)}
+        bits, group = self.bits, D if self.bits >= 16 else self.group
+        if bits in (32, 16):
+            want = {"data": (torch.float32 if bits == 32 else torch.float16, D)}
         elif bits in (8, 4):
             if group < 1 or D % group or (bits == 4 and group % 2):
                 raise ValueError(f"{op}: group {group} must divide head_dim {D}"
@@ -80,7 +82,7 @@ class KVSide:
             want = {"codes": (torch.int8, D), "scales": (torch.float16, G)} if bits == 8 else \
                 {"codes": (torch.uint8, D // 2), "scales": (torch.float16, G), "mins": (torch.float16, G)}
         else:
-            raise ValueError(f"{op}: bits must be 16, 8 or 4, got {bits}")
+            raise ValueError(f"{op}: bits must be 32, 16, 8 or 4, got {bits}")
         held = self.tensors()
         if set(held) != set(want):
             raise ValueError(f"{op}: a {bits}-bit side holds {sorted(want)}, got {sorted(held)}")

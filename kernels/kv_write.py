@@ -4,6 +4,7 @@ stored in its cache slot — the GPU form of runtime/engine/kv_cache.py's `KVPoo
 The number formats are kernels/kv_quant.py's (the spec); the pool layout is a `KVSide`'s
 (kernels/kv_side.py), as runtime/engine/kv_cache.py allocates it:
 
+    f32   data   fp32  [P, Hkv, page, D]     (stored as is: the exact reference cache)
     f16   data   fp16  [P, Hkv, page, D]
     int8  codes  int8  [P, Hkv, page, D]     scales fp16 [P, Hkv, page, G]
     int4  codes  uint8 [P, Hkv, page, D/2]   scales, mins fp16 [P, Hkv, page, G]
@@ -93,7 +94,9 @@ def _kv_write_kernel(x_ptr, slot_ptr, c_ptr, s_ptr, m_ptr, stride_xm, stride_xh,
     else:
         mask = (g < G) & (w < GROUP)
         x = tl.load(x_row + g * GROUP + w, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_G, BLOCK_W]
-        if BITS == 16:
+        if BITS == 32:  # the fp32 value as is (x came in fp32, or widened exactly from fp16/bf16)
+            tl.store(c_ptr + row * D + g * GROUP + w, x, mask=mask)
+        elif BITS == 16:
             tl.store(c_ptr + row * D + g * GROUP + w, x.to(tl.float16), mask=mask)
         else:
             d16 = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0).to(tl.float16)  # [BLOCK_G]
@@ -114,7 +117,7 @@ def kv_write(x: torch.Tensor, slots: torch.Tensor, side: KVSide, page_size: int)
         raise ValueError(f"kv_write: x's last dim must be contiguous, got strides {x.stride()}")
     if slots.shape != (M,) or slots.dtype != torch.int64 or not slots.is_contiguous():
         raise ValueError(f"kv_write: slots must be contiguous int64 [{M}], got {slots.dtype} {tuple(slots.shape)}")
-    bits, group = side.bits, D if side.bits == 16 else side.group  # 16 bits: one tile of D copied
+    bits, group = side.bits, D if side.bits >= 16 else side.group  # 32 and 16 bits: one tile of D copied
     side.check(D, page_size, Hkv, "kv_write")
     held = tuple(side.tensors().values())
     check_device(x, slots, *held)
@@ -132,7 +135,7 @@ def kv_write(x: torch.Tensor, slots: torch.Tensor, side: KVSide, page_size: int)
 def kv_write_ref(x: torch.Tensor, slots: torch.Tensor, side: KVSide, page_size: int) -> None:
     """The spec: kernels/kv_quant.py's formats stored by index assignment, as KVPool.write does."""
     page, off = slots // page_size, slots % page_size
-    if side.bits == 16:
+    if side.bits >= 16:
         side.data[page, :, off] = x.to(side.data.dtype)  # [M, Hkv, D] at (page, :, off)
     elif side.bits == 8:
         side.codes[page, :, off], side.scales[page, :, off] = quantize_int8(x.float(), side.group)

@@ -9,6 +9,7 @@ positions[i]; the mask is j <= positions[i] (causal) and j > positions[i] - wind
 The pool layout and number formats are kernels/kv_side.py's (a `KVSide` per layer and side, as
 runtime/engine/kv_cache.py allocates them) and kernels/kv_quant.py's:
 
+    f32   data   fp32  [P, Hkv, page, D]                                   k = data
     f16   data   fp16  [P, Hkv, page, D]                                   k = data
     int8  codes  int8  [P, Hkv, page, D]    scales fp16 [P, Hkv, page, G]  k = d * q
     int4  codes  uint8 [P, Hkv, page, D/2]  scales, mins fp16 [.., G]      k = d * u + m
@@ -44,7 +45,7 @@ def _load_dequant(c_ptr, s_ptr, m_ptr, rows, d, ok, BITS: tl.constexpr, D: tl.co
                   GROUP: tl.constexpr):
     """Tokens `rows` (pool row indices [BLOCK_N, 1]) of one side, columns d [1, BLOCK_D] → fp32
     [BLOCK_N, BLOCK_D], dequantized as kernels/kv_quant.py's spec does (0 where not ok)."""
-    if BITS == 16:
+    if BITS >= 16:  # fp32 or fp16 data: the pointer's own dtype, widened (fp32: as is)
         x = tl.load(c_ptr + rows * D + d, mask=ok, other=0.0).to(tl.float32)
     else:
         G: tl.constexpr = D // GROUP
@@ -174,7 +175,7 @@ def paged_attention(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_le
         raise ValueError(f"paged_attention: q must be fp16/bf16/fp32 [M, H, D] with a contiguous last dim, "
                          f"got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
     M, H, D = q.shape
-    k_group, v_group = (D if s.bits == 16 else s.group for s in (k_side, v_side))  # 16 bits: one tile of D
+    k_group, v_group = (D if s.bits >= 16 else s.group for s in (k_side, v_side))  # 32, 16 bits: one tile of D
     Hkv = k_side.check(D, page_size, None, "paged_attention")[1]
     v_side.check(D, page_size, Hkv, "paged_attention")
     if H % Hkv:

@@ -1,13 +1,11 @@
-"""Attention over the two caches a forward pass can be given.
+"""Attention over the engine's paged, quantized pool (runtime/engine/kv_cache.py).
 
-- `ContiguousAttention`: the contiguous fp32 KVCache of models/llama.py (one batch of sequences
-  that advance together: `lowbit run`'s loop, CUDA-graph decode).
-- `PagedAttention`: the engine's paged, quantized pool (runtime/engine/kv_cache.py). A step's batch is any
-  mix of sequences, each bringing some new tokens (a prefill chunk, one decode token, or several
-  speculative tokens) at its own positions; `PagedBatch` carries everything attention needs, as
-  DESIGN.md asks: one dataclass, never a global. New K/V are written first, then every query
-  attends over keys and values read back from the cache — its own included — so what a token sees
-  is exactly what a later token will see (llama.cpp's convention; the quality test relies on it).
+A step's batch is any mix of sequences, each bringing some new tokens (a prefill chunk, one decode
+token, or several speculative tokens) at its own positions; `PagedBatch` carries everything
+attention needs, as DESIGN.md asks: one dataclass, never a global. New K/V are written first, then
+every query attends over keys and values read back from the cache — its own included — so what a
+token sees is exactly what a later token will see (llama.cpp's convention; the quality test relies
+on it).
 """
 
 from __future__ import annotations
@@ -53,57 +51,6 @@ def _groups(pages: list[int], budget: int) -> list[tuple[int, int]]:
     if pages:
         groups.append((start, len(pages)))
     return groups
-
-
-class ContiguousAttention:
-    def __init__(self, cache, start, mask, window: int | None = None):
-        self.cache, self.start, self.mask, self.window = cache, start, mask, window
-        # one token per sequence on CPU: lowbit's C decode attention (kernels/cpu_attention.c) writes and
-        # attends in one call, in place of a slice assignment and SDPA (~80 us a layer at context 100)
-        B = cache.k.shape[1]
-        self.native = None
-        if cache.k.device.type == "cpu" and cache.k.dtype == torch.float32:
-            self.native = cpu_native.native()
-            if isinstance(start, int):
-                self.positions = torch.full((B,), start, dtype=torch.int64)
-            else:
-                self.positions = start.to(torch.int64).contiguous()
-
-    def all_rows_in_c(self, M: int) -> bool:
-        """Whether this step (M rows) is one token per sequence that the C decode attention takes: the
-        model may then run the whole step in one C call (`run_layers`)."""
-        return self.native is not None and M == self.cache.k.shape[1]
-
-    def run_layers(self, layers, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Every block of the step in one C call over this cache (kernels/cpu_block.py FusedLayers)."""
-        return layers.decode(delta, cos, sin, self.cache.k, self.cache.v, self.positions, self.window)
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [M, H, D], k/v [M, Hkv, D] (M = B*T) → attention output fp32 [M, H*D]."""
-        cache, start = self.cache, self.start
-        B = cache.k.shape[1]
-        M, H, D = q.shape
-        T = M // B
-        if T == 1 and self.native is not None and q.dtype == torch.float32:
-            return self.native.decode_attention(q, k, v, cache.k[layer], cache.v[layer], self.positions,
-                                                self.window).view(M, H * D)
-        q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
-        v = v.view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
-        if isinstance(start, int):
-            cache.k[layer, :, :, start:start + T] = k
-            cache.v[layer, :, :, start:start + T] = v
-            keys = cache.k[layer, :, :, : start + T]  # [B, Hkv, S, D]
-            values = cache.v[layer, :, :, : start + T]
-        else:  # one token per sequence at its own position `start[b]`: static shapes (CUDA graphs)
-            rows = torch.arange(B, device=start.device)
-            cache.k[layer, rows, :, start] = k[:, :, 0].to(cache.k.dtype)  # [B, Hkv, D] into [B, Hkv, S, D]
-            cache.v[layer, rows, :, start] = v[:, :, 0].to(cache.v.dtype)
-            keys, values = cache.k[layer], cache.v[layer]  # [B, Hkv, S, D]: whole cache, masked
-        attn = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=self.mask,
-                                              is_causal=self.mask is None and T > 1,
-                                              enable_gqa=H != keys.shape[1])
-        return attn.transpose(1, 2).reshape(M, H * D)  # [M, H*D]
 
 
 class PagedAttention:

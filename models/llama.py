@@ -1,14 +1,16 @@
 """The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, SmolLM2): RMSNorm, RoPE, GQA
 attention, SwiGLU — with every projection a QuantLinear, so weights stay int4/int8.
 
-The kernels come from the model's Backend (models/backend.py), chosen once from its device.
-Precision: the residual stream is fp32 (its add is fused into the next norm), attention and the
-cache are fp32. Between kernels, activations are fp32 on CPU and fp16/bf16 on CUDA. The
-weight-only matmuls on CPU are exact for 16+ rows (prefill) and go through bf16 fused kernels for
+The kernels come from the model's Backend (models/backend.py), chosen once from its device. A
+forward pass is one engine step (`forward_paged`): the tokens of several sequences, their K/V
+written to and read from the paged pool (models/attention.py).
+Precision: the residual stream is fp32 (its add is fused into the next norm), attention is fp32.
+Between kernels, activations are fp32 on CPU and fp16/bf16 on CUDA. The weight-only matmuls on
+CPU are exact for 16+ rows (prefill) and go through the C kernels' 16-bit activation codes for
 fewer (decode); `exact=True` forces exact fp32 everywhere, on CUDA too (see kernels/int4_mm.py,
-kernels/wq_mm.py and runtime/engine/generate.py's verified greedy).
+kernels/wq_mm.py and runtime/engine/speculative.py's verified greedy), and `ExactRows` chooses per row.
 
-Activations run token-major, [M, dim] with M = B * T, which is the shape every kernel takes.
+Activations run token-major, [M, dim] with M the step's tokens, which is the shape every kernel takes.
 
 Under tensor parallelism (`--tp N`, runtime/engine/tp.py) each process builds this model from its slices of
 the weights (models/sharding.py): its blocks compute its heads and MLP columns, `wo` and `w_down`
@@ -17,41 +19,17 @@ are all-reduced, the embedding rows are summed over ranks and the logits gathere
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from lowbit.kernels.cpu_block import FusedLayers
 from lowbit.kernels.int4_mm import EXACT_MIN_ROWS
-from lowbit.models.attention import ContiguousAttention, PagedAttention, PagedBatch
+from lowbit.models.attention import PagedAttention, PagedBatch
 from lowbit.models.backend import Backend, torch_backend
 from lowbit.models.config import LlamaConfig
 from lowbit.models.rope import inv_frequencies, rope_tables
 from lowbit.models.sharding import TPGroup
 from lowbit.quant.linear import ExactRows, QuantEmbedding, QuantLinear, fuse_rows
-
-
-@dataclass
-class KVCache:
-    """Contiguous fp32 cache for one batch of sequences (`lowbit run`, evaluation, CUDA-graph
-    decode). The paged, quantized cache is the engine's."""
-
-    k: torch.Tensor  # [n_layers, B, Hkv, S, D]
-    v: torch.Tensor  # [n_layers, B, Hkv, S, D]
-
-    @classmethod
-    def empty(cls, config: LlamaConfig, batch: int, max_len: int, device: torch.device | str = "cpu") -> "KVCache":
-        shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
-        return cls(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    def rows(self, batch: int) -> "KVCache":
-        """The first `batch` sequences' slots (views: writes land in this cache)."""
-        return KVCache(self.k[:, :batch], self.v[:, :batch])
 
 
 class Projections(nn.Module):
@@ -160,7 +138,7 @@ class Llama(nn.Module):
             self.output = QuantLinear(weights["embed"], backend.linear)
         self.register_buffer("inv_freq", inv_frequencies(config, weights.get("rope_freqs")).to(backend.device),
                              persistent=False)
-        # every block fused (CPU, C kernels): a single-token step over the contiguous cache runs all of
+        # every block fused (CPU, C kernels): a step whose rows are all single-token queries runs all of
         # them in one C call (kernels/cpu_block.py FusedLayers), the same arithmetic as block by block
         fused = [layer.fused for layer in self.layers]
         self.fused_layers = FusedLayers(fused) if fused and all(f is not None for f in fused) else None
@@ -168,30 +146,6 @@ class Llama(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.backend.device
-
-    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int | torch.Tensor, last_only: bool = False,
-                exact: bool | None = None) -> torch.Tensor:
-        """tokens int [B, T] at positions start..start+T-1 → logits fp32 [B, T, V] ([B, 1, V] if last_only).
-
-        start: an int (all sequences at the same position), or int [B] positions for one token per
-        sequence (T = 1) — the static-shape form CUDA graphs capture (see `decode`).
-        exact: True runs every matmul in fp32 on exactly dequantized weights, False through the fast
-        kernels; None (default) lets each matmul choose — on CPU, prefill of 16+ tokens is exact and
-        single-token decode is fast."""
-        B, T = tokens.shape
-        if isinstance(start, int):
-            if start + T > cache.max_len:
-                raise ValueError(f"sequence of {start + T} tokens exceeds the cache ({cache.max_len})")
-            cos, sin = rope_tables(self.inv_freq, torch.arange(start, start + T, device=self.device))  # [T, D]
-            cos, sin = cos.repeat(B, 1), sin.repeat(B, 1)  # [B*T, D], row b*T + t
-        else:
-            if T != 1:
-                raise ValueError("per-sequence positions take one token per sequence")
-            cos, sin = rope_tables(self.inv_freq, start)  # [B, D]
-        attend = ContiguousAttention(cache, start, self._mask(T, start, cache.max_len), self.config.sliding_window)
-        rows = torch.arange(T - 1, B * T, T, device=self.device) if last_only else None  # each sequence's last
-        logits = self._run(tokens.reshape(-1), cos, sin, attend, rows, exact)
-        return logits.view(B, 1 if last_only else T, -1)
 
     def forward_paged(self, tokens: torch.Tensor, batch: PagedBatch, pool,
                       exact: bool | None | ExactRows = None) -> torch.Tensor:
@@ -237,30 +191,3 @@ class Llama(nn.Module):
         mine = (local >= 0) & (local < n)  # [M]
         rows = self.embed(local.clamp(0, n - 1)).float() * mine[:, None]
         return self.tp.all_reduce(rows)
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token per sequence, each at its own position: tokens, positions int [B] → logits
-        fp32 [B, V]. Shapes do not depend on the positions, so a CUDA graph can replay it."""
-        return self(tokens[:, None], cache, positions)[:, 0]
-
-    def _mask(self, T: int, start: int | torch.Tensor, S: int) -> torch.Tensor | None:
-        """bool (True = attend) [T, start + T], or [B, 1, 1, S] for per-sequence positions; None when
-        plain causal attention is exact."""
-        w = self.config.sliding_window
-        if not isinstance(start, int):
-            k_pos = torch.arange(S, device=start.device)[None, :]
-            q_pos = start[:, None]
-            mask = k_pos <= q_pos  # [B, S]
-            if w is not None:
-                mask &= k_pos > q_pos - w
-            return mask[:, None, None, :]  # [B, 1, 1, S]
-        if T == 1 and (w is None or start < w):
-            return None  # one new token sees the whole (unmasked) prefix
-        if start == 0 and (w is None or T <= w):
-            return None
-        q_pos = torch.arange(start, start + T, device=self.device)[:, None]
-        k_pos = torch.arange(start + T, device=self.device)[None, :]
-        mask = k_pos <= q_pos
-        if w is not None:
-            mask &= k_pos > q_pos - w
-        return mask

@@ -1,28 +1,21 @@
-"""Weight formats. One module per format; `quantize_weight` picks by spec."""
+"""Weight formats. One module per format; `quantize_weight` (quant/weight.py) picks by spec.
+
+The names below load on first use (PEP 562), so that importing `lowbit.quant.kv` — the KV formats
+the command line lists — does not import torch: `lowbit --help` then answers in about 0.3 s, not 4.
+"""
 
 from __future__ import annotations
 
-import torch
+import importlib
 
-from lowbit.quant import bnb, dense, int4, int8
-from lowbit.quant.bnb import BnbWeight
-from lowbit.quant.dense import FloatWeight
-from lowbit.quant.int4 import Int4Weight
-from lowbit.quant.int8 import Int8Weight
-from lowbit.quant.spec import WeightSpec, parse_weights
-
-Weight = Int4Weight | Int8Weight | FloatWeight | BnbWeight
+_HOMES = {"BnbWeight": "bnb", "FloatWeight": "dense", "Int4Weight": "int4", "Int8Weight": "int8",
+          "WeightSpec": "spec", "parse_weights": "spec", "Weight": "weight", "quantize_weight": "weight"}
 
 
-def quantize_weight(w: torch.Tensor, spec: WeightSpec) -> Weight:
-    """A full-precision [N, K] matrix into the layout `spec` names."""
-    if spec.codec:
-        return bnb.quantize(w, spec)
-    if spec.bits == 4:
-        return int4.quantize(w, spec)
-    if spec.bits == 8:
-        return int8.quantize(w, spec)
-    return dense.to_float(w, spec)
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'lowbit.quant' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"lowbit.quant.{_HOMES[name]}"), name)
 
 
-__all__ = ["BnbWeight", "FloatWeight", "Int4Weight", "Int8Weight", "Weight", "WeightSpec", "parse_weights", "quantize_weight"]
+__all__ = sorted(_HOMES)

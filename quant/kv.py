@@ -1,6 +1,7 @@
 """KV cache formats: how many bits keys and values get, and at what granularity.
 
     name   K                           V                           bytes/token/head (D = 64)  vs f16
+    f32    fp32                        fp32                        512                        2
     f16    fp16                        fp16                        256                        1
     k8v8   int8, one scale per 64      int8, one scale per 64      132                        0.52
     k8v4   int8, one scale per 64      int4 asym, scale+min per 32 106                        0.41
@@ -23,6 +24,11 @@ dequantized just before attention in the exact forward pass; the script was not 
   4-bit values need 32 (0.0078 at 64). Values are the limit: with f16 keys, V4 alone gave 0.0056.
 The acceptance figure, scored like llama-perplexity (second half of the window), is in
 tests/test_kv_quality.py: k8v4 0.00477 — inside the issue's 0.005 by 5%, a thin margin.
+
+f32 is the exact reference cache, which saves no memory: K and V stored as the fp32 values the
+model computed, so attention over the paged pool reads exactly what was written — the numbers of an
+fp32 contiguous cache. Verified greedy (the exact model's greedy reply) runs in the paged engine on
+it. It costs twice f16's bytes.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from typing import Literal
 @dataclass(frozen=True)
 class KVFormat:
     name: str
-    k_bits: int  # 16 | 8 | 4
+    k_bits: int  # 32 | 16 | 8 | 4 (32 and 16: floats, fp32 / fp16, no scales)
     v_bits: int
     k_group: int  # values per scale (capped at head_dim)
     v_group: int
@@ -49,8 +55,8 @@ class KVFormat:
 
     def side_group(self, side: Literal["k", "v"], head_dim: int) -> int:
         """Values per scale of the keys ("k") or the values ("v") at this head dim: the format's group
-        capped at head_dim (a group lies within one head's vector); head_dim for a 16-bit side, which
-        has no scales."""
+        capped at head_dim (a group lies within one head's vector); head_dim for a float side (16 or
+        32 bits), which has no scales."""
         group = self.k_group if side == "k" else self.v_group
         return min(group, head_dim) if self.side_bits(side) < 16 else head_dim
 
@@ -58,10 +64,11 @@ class KVFormat:
         return self.rotate and head_dim & (head_dim - 1) == 0
 
     def side_bytes(self, side: Literal["k", "v"], head_dim: int) -> int:
-        """Bytes one head's vector of one token takes on one side: codes plus fp16 scales (and mins)."""
+        """Bytes one head's vector of one token takes on one side: codes plus fp16 scales (and mins);
+        for a float side, its D values (2 or 4 bytes each)."""
         bits = self.side_bits(side)
-        if bits == 16:
-            return 2 * head_dim
+        if bits >= 16:
+            return bits // 8 * head_dim
         n_groups = head_dim // self.side_group(side, head_dim)
         return head_dim * bits // 8 + 2 * n_groups * (2 if bits == 4 else 1)
 
@@ -71,6 +78,7 @@ class KVFormat:
 
 
 KV_FORMATS = MappingProxyType({
+    "f32": KVFormat("f32", 32, 32, 0, 0, False),
     "f16": KVFormat("f16", 16, 16, 0, 0, False),
     "k8v8": KVFormat("k8v8", 8, 8, 64, 64, True),
     "k8v4": KVFormat("k8v4", 8, 4, 64, 32, True),

@@ -44,3 +44,46 @@ def serving(app):
     finally:
         srv.should_exit = True
         th.join(timeout=10)
+
+
+class Sequences:
+    """B sequences through one paged pool of their own, as the engine runs them (runtime/engine/runner.py):
+    `step(tokens [B, T])` appends T tokens to every sequence in one forward pass → logits fp32
+    [B, T, V]. The oracle's form of a cache: with the lossless f32 format, attention reads back
+    exactly the K/V written."""
+
+    def __init__(self, model, batch: int, max_len: int, kv: str = "f32", page_size: int = 16):
+        from lowbit.quant.kv import KV_FORMATS
+        from lowbit.runtime.engine.kv_cache import KVPool
+        from lowbit.runtime.engine.runner import Runner
+
+        c, per = model.config, -(-max_len // page_size)
+        self.pool = KVPool(KV_FORMATS[kv], c.n_layers, model.kv_heads, c.head_dim, num_pages=batch * per,
+                           page_size=page_size, device=model.device)
+        self.runner, self.max_len, self.page_size = Runner(model, self.pool), max_len, page_size
+        self.pages = [list(range(b * per, (b + 1) * per)) for b in range(batch)]  # [B][per]
+        self.lens = [0] * batch
+
+    def step(self, tokens, exact=None):
+        """tokens int [B, T] (or a list of B lists, one per sequence, of any lengths: logits [sum T, V])."""
+        import torch
+
+        from lowbit.runtime.engine.runner import Chunk
+
+        rows = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+        chunks, ps = [], self.page_size
+        for b, toks in enumerate(rows):
+            start = self.lens[b]
+            if start + len(toks) > self.max_len:
+                raise ValueError(f"sequence {b}: {start + len(toks)} tokens exceed {self.max_len}")
+            slots = [self.pages[b][p // ps] * ps + p % ps for p in range(start, start + len(toks))]
+            chunks.append(Chunk(toks, start, slots, self.pages[b][:-(-(start + len(toks)) // ps)], logits=len(toks)))
+            self.lens[b] += len(toks)
+        logits = self.runner.run(chunks, exact)
+        return logits.view(len(rows), -1, logits.shape[-1]) if isinstance(tokens, torch.Tensor) else logits
+
+
+def forward(model, tokens, exact=None, kv: str = "f32"):
+    """tokens int [B, T], each row a whole sequence from position 0 → logits fp32 [B, T, V] (one pass,
+    as the engine prefills a prompt)."""
+    return Sequences(model, tokens.shape[0], tokens.shape[1], kv).step(tokens, exact)

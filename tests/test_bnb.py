@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from lowbit.models.config import LlamaConfig
-from lowbit.models.llama import KVCache, Llama
+from lowbit.models.llama import Llama
 from lowbit.models.synthetic import random_weights
 from lowbit.quant import parse_weights, quantize_weight
 from lowbit.quant.linear import QuantLinear, triton_kernels
+from tests.helpers import forward
 
 bnb = pytest.importorskip("bitsandbytes")  # a test extra; present in CI
 
@@ -88,8 +89,8 @@ def test_a_model_in_bnb_layouts_runs_through_bitsandbytes():
         deq = {k: (quantize_weight(v.dequantize(), parse_weights("f32")) if hasattr(v, "spec") and v.spec.codec
                    else v) for k, v in w.items()}
         plain = Llama(c, deq).eval()
-        a = model(ids, KVCache.empty(c, 1, 8), 0, exact=True)
-        b = plain(ids, KVCache.empty(c, 1, 8), 0, exact=True)
+        a = forward(model, ids, exact=True)
+        b = forward(plain, ids, exact=True)
         assert lo <= float((a - b).abs().max()) <= hi, name
         assert all(isinstance(m.w, type(w["layers.0.wq"])) for m in model.modules() if isinstance(m, QuantLinear)
                    and m is not model.output)

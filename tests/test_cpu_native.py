@@ -19,6 +19,7 @@ from lowbit.kernels.cpu_native import native
 from lowbit.kernels.int4_mm import int4_mm_fast_ref, int4_pack
 from lowbit.kernels.int8_mm import int8_mm_fast_ref, int8_pack
 from lowbit.quant import parse_weights, quantize_weight
+from tests.helpers import Sequences, forward
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -149,15 +150,13 @@ def test_default_model_decode_is_within_1e6_kl_of_the_exact_pass(default_model, 
     pass only in the GEMM's summation order."""
     import torch.nn.functional as F
 
-    from lowbit.models.llama import KVCache
-
     lm = default_model
     n = 128 if decode_kernel == "c" else 24  # the exact path per token: ~0.4 s each on 2 cores
     ids = lm.tokenizer.encode(wikitext_excerpt.decode("utf-8"), add_special=False)[:n]
     with torch.inference_mode():
-        ref = lm.model(torch.tensor([ids]), KVCache.empty(lm.config, 1, 128), 0, exact=True)[0]  # [T, V]
-        cache = KVCache.empty(lm.config, 1, 128)
-        fast = torch.stack([lm.model(torch.tensor([[t]]), cache, p, exact=False)[0, -1] for p, t in enumerate(ids)])
+        ref = forward(lm.model, torch.tensor([ids]), exact=True)[0]  # [T, V]
+        seq = Sequences(lm.model, 1, 128)
+        fast = torch.cat([seq.step(torch.tensor([[t]]), exact=False)[0] for t in ids])
     # in float64: fp32 log-softmaxes of one vocabulary disagree by ~1e-7 per token by themselves
     kl = F.kl_div(F.log_softmax(fast.double(), -1), F.log_softmax(ref.double(), -1), log_target=True,
                   reduction="none").sum(-1)
@@ -228,23 +227,23 @@ def test_fused_block_equals_the_op_by_op_block_bit_for_bit(weights, bias):
     """A decode step through the two fused C calls per block gives the same logits, bit for bit, as
     the same step op by op (C small ops, C matmul): the engine runs both forms in one reply (prompt
     rows exact and op by op, generated rows fused), so a token must not depend on which it took."""
-    from lowbit.models.llama import KVCache
-
     _kernels()
     model = _tiny_model(weights, bias)
     assert all(b.fused is not None for b in model.layers)
     ids = torch.randint(0, 80, (3, 9), generator=torch.Generator().manual_seed(0))
 
     def steps(fused: bool) -> torch.Tensor:
-        saved = [b.fused for b in model.layers]
+        saved, saved_layers = [b.fused for b in model.layers], model.fused_layers
         for b in model.layers:
             b.fused = b.fused if fused else None
+        model.fused_layers = None  # block by block: the one-call step has its own test below
         try:
             with torch.inference_mode():
-                cache = KVCache.empty(model.config, 3, 12)
-                model(ids[:, :6], cache, 0, exact=True)
-                return torch.cat([model(ids[:, t:t + 1], cache, t, exact=False) for t in range(6, 9)], 1)
+                seqs = Sequences(model, 3, 12)
+                seqs.step(ids[:, :6], exact=True)
+                return torch.cat([seqs.step(ids[:, t:t + 1], exact=False) for t in range(6, 9)], 1)
         finally:
+            model.fused_layers = saved_layers
             for b, f in zip(model.layers, saved):
                 b.fused = f
 
@@ -277,71 +276,6 @@ def test_fused_block_refuses_bad_inputs():
         block.pre(torch.randn(2, 64), None, torch.ones(3, 16), sin)
     with pytest.raises(ValueError, match="attn must be"):
         block.post(torch.randn(2, 60), torch.randn(2, 64))
-
-
-# --- decode attention over the contiguous cache (kernels/cpu_attention.c) ---
-
-@pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_matches_sdpa(window):
-    """One query per sequence, each at its own position, GQA 6/2 heads, q/k/v as strided views of one
-    QKV row: K/V land in the cache at the position, the output matches SDPA over keys 0..pos (the last
-    `window` of them) to fp32 rounding, and each sequence's result equals its result alone."""
-    import torch.nn.functional as F
-
-    k_ = _kernels()
-    g = torch.Generator().manual_seed(5)
-    B, H, Hkv, D, S = 3, 6, 2, 16, 20
-    cache_k, cache_v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
-    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g)
-    q = qkv[:, :H * D].view(B, H, D)
-    k, v = qkv[:, H * D:(H + Hkv) * D].view(B, Hkv, D), qkv[:, (H + Hkv) * D:].view(B, Hkv, D)
-    pos = torch.tensor([0, 7, 19])
-    ck, cv = cache_k.clone(), cache_v.clone()
-    out = k_.decode_attention(q, k, v, ck, cv, pos, window)
-    for b in range(B):
-        p = int(pos[b])
-        assert torch.equal(ck[b, :, p], k[b]) and torch.equal(cv[b, :, p], v[b])
-        assert torch.equal(ck[b, :, p + 1:], cache_k[b, :, p + 1:]) and torch.equal(ck[b, :, :p], cache_k[b, :, :p])
-        first = 0 if window is None else max(0, p - window + 1)
-        want = F.scaled_dot_product_attention(q[b][:, None], ck[b, :, first:p + 1], cv[b, :, first:p + 1],
-                                              enable_gqa=True)[:, 0]  # [H, D]
-        torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-6)
-        alone = k_.decode_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], ck[b:b + 1].clone(), cv[b:b + 1].clone(),
-                                    pos[b:b + 1], window)
-        assert torch.equal(alone[0], out[b])
-    with pytest.raises(ValueError, match="outside the cache"):
-        k_.decode_attention(q, k, v, ck, cv, torch.tensor([0, 7, 20]), window)
-
-
-@pytest.mark.parametrize("start", [9, "per-sequence"])
-def test_contiguous_attention_takes_the_c_path_as_sdpa_does(start):
-    """models/attention.py's ContiguousAttention with the C decode attention against the same object
-    with it switched off (slice assignment + SDPA): same cache contents, outputs within fp32 rounding
-    — an int start and per-sequence positions, a layer other than 0."""
-    from lowbit.models.attention import ContiguousAttention
-    from lowbit.models.llama import KVCache
-
-    _kernels()
-    g = torch.Generator().manual_seed(7)
-    cfg = _tiny_model("int4-g32").config
-    B, H, Hkv, D = 2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    pos = 9 if start == 9 else torch.tensor([3, 11])
-    mask = None if start == 9 else (torch.arange(16)[None, :] <= pos[:, None])[:, None, None, :]
-    caches, outs = [], []
-    for use_c in (True, False):
-        cache = KVCache.empty(cfg, B, 16)
-        cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
-        cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator().manual_seed(2)))
-        attend = ContiguousAttention(cache, pos, mask)
-        assert attend.native is not None
-        if not use_c:
-            attend.native = None
-        g.manual_seed(3)
-        q, k, v = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
-        outs.append(attend(1, q, k, v))
-        caches.append(cache)
-    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name,N,K", [("int4-g32", 96, 96), ("int4-sym-g32", 48, 64), ("int4-g128", 80, 256),
@@ -402,37 +336,7 @@ def test_exact_path_in_row_ranges(name, monkeypatch):
             assert torch.equal(mm(x, p, exact=True), with_c)
 
 
-@pytest.mark.parametrize("weights,bias", [("int4-g32", False), ("int4-sym-g32", True)])
-def test_one_call_step_equals_the_block_by_block_step(weights, bias):
-    """A single-token step over the contiguous cache in one C call (every block, kernels/cpu_block.py
-    FusedLayers) gives the logits and the cache, bit for bit, that the block-by-block path gives (the
-    same C calls from Python), for per-sequence positions too."""
-    from lowbit.models.llama import KVCache
-
-    _kernels()
-    model = _tiny_model(weights, bias)
-    assert model.fused_layers is not None
-    ids = torch.randint(0, 80, (2, 10), generator=torch.Generator().manual_seed(4))
-
-    def run(one_call: bool):
-        saved = model.fused_layers
-        model.fused_layers = saved if one_call else None
-        try:
-            with torch.inference_mode():
-                cache = KVCache.empty(model.config, 2, 12)
-                model(ids[:, :4], cache, 0, exact=True)
-                out = [model(ids[:, t:t + 1], cache, t, exact=False) for t in range(4, 8)]
-                out.append(model.decode(ids[:, 8], torch.tensor([8, 8]), cache)[:, None])
-                return torch.cat(out, 1), cache
-        finally:
-            model.fused_layers = saved
-
-    (a, ca), (b, cb) = run(True), run(False)
-    assert torch.equal(a, b) and torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
-    assert torch.isfinite(a).all() and ca.k[:, :, :, 8].abs().sum() > 0
-
-
-@pytest.mark.parametrize("kv", ["f16", "k8v4", "k4v4"])
+@pytest.mark.parametrize("kv", ["f32", "f16", "k8v4", "k4v4"])
 def test_one_call_paged_step_equals_the_block_by_block_step(kv):
     """A decode step over the paged, quantized pool in one C call (every block: fused halves,
     quantize-on-write, paged attention) gives the logits and the pool contents, bit for bit, that the
@@ -480,6 +384,62 @@ def test_one_call_paged_step_equals_the_block_by_block_step(kv):
     tokens = torch.randint(0, 80, (5,), generator=g)
     (a, _, all_c), (b, _, _) = step(True, [1, 3, 1]), step(False, [1, 3, 1])
     assert not all_c and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_c_f32_side_stores_and_reads_the_values_exactly(window):
+    """The f32 KV format through the C kernels (kernels/cpu_attention.c): the write stores every fp32
+    value as is — the pool's bytes are the torch spec's (kernels/kv_write.py kv_write_ref) bit for
+    bit, K/V as strided views of one QKV row, -0.0, a subnormal and values past fp16's range
+    included — and paged decode attention over those scattered pages (1 to 130 tokens: 130 is two
+    chunks merged) matches the plain-torch spec (kernels/paged_attention.py paged_attention_ref) to
+    f16's tolerance, and SDPA in float64 over the K/V as computed, never rounded."""
+    import torch.nn.functional as F
+
+    from lowbit.kernels.kv_write import kv_write_ref
+    from lowbit.kernels.paged_attention import batch_tensors, paged_attention_ref
+    from lowbit.quant.kv import KV_FORMATS
+    from lowbit.runtime.engine.kv_cache import KVPool
+
+    k_ = _kernels()
+    H, Hkv, D, P, ctxs = 6, 2, 64, 4, [1, 7, 130]
+    g = torch.Generator().manual_seed(8)
+    pages = sum(-(-c // P) for c in ctxs) + 2
+    pool, spec = (KVPool(KV_FORMATS["f32"], 1, Hkv, D, num_pages=pages, page_size=P) for _ in range(2))
+    perm = torch.randperm(pages, generator=g)
+    tables, keys, values, start = [], [], [], 0
+    for c in ctxs:
+        tables.append(perm[start:start + -(-c // P)])
+        start += len(tables[-1])
+        qkv = torch.randn(c, 3 * Hkv, D, generator=g)  # [q | k | v] heads of one row
+        keys.append(qkv[:, Hkv:2 * Hkv])
+        values.append(qkv[:, 2 * Hkv:])
+        pos = torch.arange(c)
+        slots = (tables[-1][pos // P] * P + pos % P).to(torch.int64)
+        for name, x in (("k", keys[-1]), ("v", values[-1])):
+            k_.kv_write(x, slots, P, pool.side(0, name), None)
+            kv_write_ref(x, slots, spec.side(0, name), P)
+    for name in ("k", "v"):
+        assert torch.equal(pool.side(0, name).data.view(torch.int32), spec.side(0, name).data.view(torch.int32))
+    q = torch.randn(len(ctxs), H, D, generator=g)
+    toff = torch.tensor([0, *map(len, tables[:-1])]).cumsum(0)
+    got = k_.paged_decode_attention(q, torch.tensor(ctxs), torch.cat(tables).to(torch.int64), toff, P,
+                                    pool.side(0, "k"), pool.side(0, "v"), None, window)
+    cu, ctx, bt = batch_tensors([1] * len(ctxs), ctxs, tables, "cpu")
+    want = paged_attention_ref(q, spec.side(0, "k"), spec.side(0, "v"), cu, ctx, torch.tensor(ctxs) - 1, bt, P,
+                               window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    for r, c in enumerate(ctxs):
+        first = 0 if window is None else max(0, c - window)
+        kk, vv = (x[first:].transpose(0, 1)[None].double() for x in (keys[r], values[r]))  # [1, Hkv, n, D]
+        exact = F.scaled_dot_product_attention(q[r][None, :, None].double(), kk, vv, enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(got[r].double(), exact, rtol=1e-5, atol=2e-6)
+    # values an fp16 cache would round or lose, each stored with its exact bits
+    x = torch.tensor([-0.0, 1e-40, 1e5, -7e4, 1 / 3, 2.0 ** -30, 3.4e38, 1.0]).repeat(D // 8).view(1, 1, D)
+    x = torch.cat([x, x.flip(-1)], 1)  # [1, Hkv, D]
+    side, slot = pool.side(0, "k"), torch.tensor([int(tables[0][0]) * P + 3])
+    k_.kv_write(x, slot, P, side, None)
+    assert torch.equal(side.data[int(tables[0][0]), :, 3].view(torch.int32), x[0].view(torch.int32))
 
 
 def test_every_isa_and_an_avx2_only_build_give_the_same_logits(tmp_path, monkeypatch):

@@ -14,13 +14,14 @@ import torch
 
 from lowbit.models.attention import PagedBatch
 from lowbit.models.config import LlamaConfig
-from lowbit.models.llama import KVCache, Llama
+from lowbit.models.llama import Llama
 from lowbit.models.synthetic import SMOLLM2_135M, random_weights
 from lowbit.quant.kv import KV_FORMATS
+from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.engine import AsyncEngine, Engine
 from lowbit.runtime.engine.kv_cache import KVPool
 from lowbit.runtime.engine.sampler import SamplingParams
-from tests.helpers import ByteTokenizer
+from tests.helpers import ByteTokenizer, forward
 
 VOCAB = 101
 CFG = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
@@ -43,7 +44,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 def exact_greedy(model: Llama, prompt: list[int], n: int) -> list[int]:
     ids, out = list(prompt), []
     for _ in range(n):
-        t = int(model(torch.tensor([ids]), KVCache.empty(CFG, 1, len(ids)), 0, exact=True)[0, -1].argmax())
+        t = int(forward(model, torch.tensor([ids]), exact=True)[0, -1].argmax())
         if t == 100:
             break
         out.append(t)
@@ -89,7 +90,7 @@ def test_paged_f16_logits_equal_full_recompute(model):
         got = model.forward_paged(toks, PagedBatch(pos, slots, q_lens, ctx, tables, rows), pool, exact=True)
         row = 0
         for s, d, n in zip(seqs, done, q_lens):
-            full = model(torch.tensor([s[:d + n]]), KVCache.empty(CFG, 1, d + n), 0, exact=True)[0, d:]
+            full = forward(model, torch.tensor([s[:d + n]]), exact=True)[0, d:]
             # f16 storage rounds each K/V value by up to 2^-11 of itself: measured <= 1.7e-3 on
             # logits up to 3.1; a wrong slot, page or position moves them by O(1)
             torch.testing.assert_close(got[row:row + n], full, atol=4e-3, rtol=0)
@@ -102,8 +103,8 @@ def test_engine_greedy_is_batch_invariant(model, kv):
     """8 different prompts generated together give each one's tokens generated alone; with f16 KV
     those are also the exact recomputed greedy tokens."""
     ps = prompts(8, seed=2)
-    make = lambda: Engine(model, ByteTokenizer(), kv_format=kv, kv_memory=1 << 20, page_size=4,  # noqa: E731
-                          max_step_tokens=48, exact=True)
+    make = lambda: Engine(model, ByteTokenizer(),  # noqa: E731
+                          EngineConfig(kv_format=kv, kv_memory=1 << 20, page_size=4, max_step_tokens=48, exact=True))
     together_engine = make()
     together = run_all(together_engine, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
     assert_all_pages_free(together_engine)
@@ -126,7 +127,7 @@ def test_default_kernels_reply_independent_of_batch_and_prefix_cache(model, deco
     def reply(deltas) -> tuple[list[int], list[float]]:
         return tokens_of(deltas), [lp for d in deltas for lp, _ in d.logprobs]
 
-    engine = Engine(model, ByteTokenizer(), kv_memory=1 << 20, page_size=4, max_step_tokens=48)
+    engine = Engine(model, ByteTokenizer(), EngineConfig(kv_memory=1 << 20, page_size=4, max_step_tokens=48))
     first = tokens_of(run_all(engine, {"a": (ps[0], params)})["a"])
     again = run_all(engine, {"b": (ps[0], params)})["b"]
     assert again[-1].usage.cached_tokens > 0 and tokens_of(again) == first
@@ -137,7 +138,7 @@ def test_default_kernels_reply_independent_of_batch_and_prefix_cache(model, deco
     # rounds activations to 16-bit codes, too finely to flip a sampled token of these 8 replies;
     # without it, both are the exact path)
     if decode_kernel == "c":
-        forced = [[reply(run_all(Engine(model, ByteTokenizer(), kv_memory=1 << 20, page_size=4, exact=e),
+        forced = [[reply(run_all(Engine(model, ByteTokenizer(), EngineConfig(kv_memory=1 << 20, page_size=4, exact=e)),
                                  {"c": (p, params)})["c"])[1] for p in ps] for e in (True, False)]
         assert forced[0] != forced[1]
 
@@ -148,18 +149,20 @@ def test_preemption_under_page_pressure_completes_everything(model):
     ps = prompts(6, seed=3)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     per_page = KV_FORMATS["f16"].bytes_per_token(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim) * 4
-    small = Engine(model, ByteTokenizer(), kv_format="f16", kv_memory=per_page * 24, page_size=4, exact=True)
+    small = Engine(model, ByteTokenizer(),
+                   EngineConfig(kv_format="f16", kv_memory=per_page * 24, page_size=4, exact=True))
     out = run_all(small, {f"r{i}": (p, params) for i, p in enumerate(ps)})
     assert small.scheduler.num_preemptions > 0
     assert_all_pages_free(small)
     for i, p in enumerate(ps):
-        alone = run_all(Engine(model, ByteTokenizer(), kv_format="f16", page_size=4, exact=True), {"x": (p, params)})
+        alone = run_all(Engine(model, ByteTokenizer(), EngineConfig(kv_format="f16", page_size=4, exact=True)),
+                        {"x": (p, params)})
         assert tokens_of(out[f"r{i}"]) == tokens_of(alone["x"])
         assert out[f"r{i}"][-1].finish_reason == "length" and len(tokens_of(out[f"r{i}"])) == 20
 
 
 def test_finish_reasons_text_and_usage(model):
-    eng = Engine(model, ByteTokenizer(), kv_format="f16", page_size=4)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(kv_format="f16", page_size=4))
     p = prompts(1, seed=4)[0]
     free = run_all(eng, {"a": (p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))})["a"]
     text = "".join(d.text for d in free)
@@ -176,18 +179,18 @@ def test_finish_reasons_text_and_usage(model):
 def test_context_size_caps_prompt_and_reply(model):
     """--ctx-size: prompt + reply never exceed it; a prompt that fills it is refused; it cannot
     exceed the model's own context."""
-    eng = Engine(model, ByteTokenizer(), page_size=4, max_model_len=20)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(page_size=4, max_model_len=20))
     out = run_all(eng, {"a": (list(range(1, 11)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))})
     assert out["a"][-1].finish_reason == "length" and len(tokens_of(out["a"])) == 10
     with pytest.raises(ValueError, match="context limit is 20"):
         eng.add_request(list(range(1, 21)), GREEDY)
     with pytest.raises(ValueError, match="context size must be in 1..128"):
-        Engine(model, ByteTokenizer(), max_model_len=129)
+        Engine(model, ByteTokenizer(), EngineConfig(max_model_len=129))
     assert_all_pages_free(eng)
 
 
 def test_chat_messages_are_rendered_by_the_template(model):
-    eng = Engine(model, ByteTokenizer(), page_size=4)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(page_size=4))
     msgs = [{"role": "user", "content": "hi"}]
     by_msgs = run_all(eng, {"m": (msgs, GREEDY)})["m"]
     by_ids = run_all(eng, {"i": (ByteTokenizer().encode_chat(msgs), GREEDY)})["i"]
@@ -195,7 +198,7 @@ def test_chat_messages_are_rendered_by_the_template(model):
 
 
 def test_prefix_cache_hit_is_reported(model):
-    eng = Engine(model, ByteTokenizer(), kv_format="k8v4", page_size=4)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(kv_format="k8v4", page_size=4))
     system = list(range(1, 30))
     a = run_all(eng, {"a": (system + [40, 41], GREEDY)})["a"]
     b = run_all(eng, {"b": (system + [50, 51, 52], GREEDY)})["b"]
@@ -206,7 +209,7 @@ def test_prefix_cache_hit_is_reported(model):
 
 
 def test_async_engine_streams_and_aborts(model):
-    eng = Engine(model, ByteTokenizer(), kv_format="k8v4", page_size=4)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(kv_format="k8v4", page_size=4))
     aeng = AsyncEngine(eng)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 

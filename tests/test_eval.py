@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from lowbit.models.config import LlamaConfig
-from lowbit.models.llama import KVCache, Llama
+from lowbit.models.llama import Llama
 from lowbit.models.synthetic import random_weights
 from lowbit.quant.kv import KV_FORMATS
 from lowbit.quant.linear import QuantLinear
 from lowbit.runtime.eval.evaluate import Variant, evaluate, window_logprobs, windows
 from lowbit.runtime.engine.kv_cache import KVPool
+from tests.helpers import forward
 
 CFG = LlamaConfig(arch="llama", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256,
                   vocab_size=101, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256, tie_embeddings=False)
@@ -51,7 +52,7 @@ def test_reference_row_kl_ppl_and_a_finer_format_diverges_less():
     # ... and against an independent pass: contiguous fp32 cache, no pages (f16 storage moves it a little)
     nll2 = []
     for w in windows(ids, CTX, None):
-        lp = ref(torch.tensor([w]), KVCache.empty(CFG, 1, CTX), 0, exact=True)[0].log_softmax(-1)
+        lp = forward(ref, torch.tensor([w]), exact=True)[0].log_softmax(-1)
         nll2 += [-float(lp[t - 1, w[t]]) for t in range(CTX // 2, CTX)]
     assert math.isclose(floor.ppl, math.exp(sum(nll2) / len(nll2)), rel_tol=1e-3)
     assert rows[1].bits_per_weight < 32 and rows[2].bits_per_weight < rows[1].bits_per_weight

@@ -10,9 +10,11 @@ import importlib
 import pytest
 import torch
 
-from lowbit.models.llama import KVCache
-from lowbit.runtime.engine.generate import generate
-from lowbit.runtime.engine.sampler import Sampler, SamplingParams
+from lowbit.runtime.engine.config import EngineConfig
+from lowbit.runtime.engine.engine import Engine
+from lowbit.runtime.engine.sampler import SamplingParams
+from lowbit.runtime.engine.speculative import VERIFIED_GREEDY
+from tests.helpers import Sequences, forward
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +50,7 @@ def test_logits_match_fp32_reference(default_model, reference, wikitext_excerpt)
     assert len(ids) == 512
     with torch.inference_mode():
         ref = reference(torch.tensor([ids])).logits[0].float()
-        ours = default_model.model(torch.tensor([ids]), KVCache.empty(default_model.config, 1, 512), 0)[0]
+        ours = forward(default_model.model, torch.tensor([ids]))[0]
     kl, same = kl_stats(ref, ours)
     print(f"\nlowbit vs fp32 reference over 512 WikiText tokens: mean KL {kl.mean():.3e}, "
           f"p99 {kl.quantile(0.99):.3e}, max {kl.max():.3e}, top-1 {same * 100:.2f}%")
@@ -57,20 +59,29 @@ def test_logits_match_fp32_reference(default_model, reference, wikitext_excerpt)
 
 
 def test_decode_path_matches_reference(default_model, reference, wikitext_excerpt):
-    """The path `lowbit run` takes after the prompt — a short prefill, then one token per step
-    through the cache — holds the same exactness bound against the fp32 reference."""
+    """The engine's default path after the prompt — a short prefill, then one token per step on the
+    fast kernels through the paged cache — holds the same exactness bound against the fp32 reference."""
     tok = default_model.tokenizer
     ids = tok.encode(wikitext_excerpt.decode("utf-8"), add_special=False)[:96]
-    m, c = default_model.model, default_model.config
     with torch.inference_mode():
         ref = reference(torch.tensor([ids])).logits[0].float()
-        cache = KVCache.empty(c, 1, len(ids))
-        first = m(torch.tensor([ids[:16]]), cache, 0)[0]
-        steps = [m(torch.tensor([[t]]), cache, 16 + i)[0] for i, t in enumerate(ids[16:])]
+        seq = Sequences(default_model.model, 1, len(ids), kv="f32")
+        first = seq.step(torch.tensor([ids[:16]]))[0]
+        steps = [seq.step(torch.tensor([[t]]))[0] for t in ids[16:]]
     kl, same = kl_stats(ref, torch.cat([first, *steps]))
     print(f"\ndecode path vs fp32 reference over 96 tokens: mean KL {kl.mean():.3e}, top-1 {same * 100:.1f}%")
     assert kl.mean() <= 1e-3
     assert same >= 0.95
+
+
+def verified_greedy(lm, ids: list[int], n: int) -> list[int]:
+    """What `lowbit run --temperature 0` answers: the engine's verified greedy over an f32 cache."""
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(kv_format="f32", speculative=VERIFIED_GREEDY))
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=n))
+    out = []
+    while engine.has_work():
+        out += [t for d in engine.step() for t in d.token_ids]
+    return out
 
 
 def test_greedy_replies_match_reference(default_model, reference):
@@ -84,7 +95,7 @@ def test_greedy_replies_match_reference(default_model, reference):
         ref_ids = [t for t in ref[0, len(ids):].tolist()]
         while ref_ids and ref_ids[-1] in tok.eos_ids:  # generate() pads/ends with EOS; ours stops before it
             ref_ids.pop()
-        ours = generate(default_model.model, tok, ids, 32, Sampler(SamplingParams(temperature=0))).token_ids
+        ours = verified_greedy(default_model, ids, 32)
         equal += ours == ref_ids
         print(f"\n{prompt!r}: {'same' if ours == ref_ids else 'DIFFERENT'}: {tok.decode(ours)!r}")
     assert equal >= 4, f"only {equal}/5 greedy replies equal the fp32 reference"

@@ -56,7 +56,7 @@ def test_round_trip_error_is_half_a_step(group):
 @pytest.mark.parametrize("name", list(KV_FORMATS))
 def test_pool_reads_back_what_it_wrote(name):
     """Tokens written to scattered slots come back in sequence order, within the format's error
-    (f16 to 2^-11 relative; rotated int8 to ~1%, int4 to ~10% of the vector's scale)."""
+    (f32 exactly; f16 to 2^-11 relative; rotated int8 to ~1%, int4 to ~10% of the vector's scale)."""
     fmt = parse_kv_format(name)
     pool = KVPool(fmt, n_layers=2, n_kv_heads=3, head_dim=64, num_pages=8, page_size=4)
     k, v = torch.randn(10, 3, 64), torch.randn(10, 3, 64)
@@ -67,6 +67,9 @@ def test_pool_reads_back_what_it_wrote(name):
     tol = {16: 1e-3, 8: 0.05, 4: 0.35}
     for got, want, bits in ((kk, k, fmt.k_bits), (vv, v, fmt.v_bits)):
         assert got.shape == (3, 10, 64)
+        if bits == 32:  # the exact reference cache: the values written, bit for bit
+            assert torch.equal(got, want.transpose(0, 1))
+            continue
         assert (got - want.transpose(0, 1)).abs().max() < tol[bits] * want.abs().max()
     assert pool.gather(0, pages, 10)[0].abs().max() == 0  # another layer untouched
 
@@ -85,6 +88,18 @@ def test_pool_sides_carry_the_formats_bits_and_capped_groups():
     assert KV_FORMATS["k8v4"].side_group("v", 64) == 32
     with pytest.raises(ValueError, match="'k' or 'v'"):
         f16.side_bits("q")
+    f32 = KVPool(KV_FORMATS["f32"], n_layers=1, n_kv_heads=3, head_dim=16, num_pages=2, page_size=4).side(0, "k")
+    assert (f32.bits, f32.group, set(f32.tensors())) == (32, 16, {"data"})
+    assert f32.data.dtype == torch.float32 and f32.data.shape == (2, 3, 4, 16)
+
+
+def test_f32_costs_twice_f16():
+    """f32 stores 4 D bytes per token, head and side: the default model (30 layers, 3 KV heads, D 64)
+    46,080 bytes a token, 2x f16's 23,040; it is never rotated (nothing to quantize)."""
+    f32, f16 = KV_FORMATS["f32"], KV_FORMATS["f16"]
+    assert f32.side_bytes("k", 64) == f32.side_bytes("v", 64) == 4 * 64
+    assert f32.bytes_per_token(30, 3, 64) == 46080 == 2 * f16.bytes_per_token(30, 3, 64)
+    assert not f32.rotates(64) and KVPool(f32, 1, 3, 64, num_pages=1).rot is None
 
 
 def test_unknown_format_and_empty_budget_are_clear_errors():
@@ -94,7 +109,7 @@ def test_unknown_format_and_empty_budget_are_clear_errors():
         KVPool.from_budget(KV_FORMATS["k8v4"], 30, 3, 64, budget_bytes=1000)
 
 
-@pytest.mark.parametrize("name", ["f16", "k8v4", "k4v4"])
+@pytest.mark.parametrize("name", ["f32", "f16", "k8v4", "k4v4"])
 def test_sequences_read_together_attend_as_they_do_alone(name, monkeypatch, decode_kernel):
     """PagedAttention reads several sequences' pages in one gather (up to GATHER_PAGES pages): each
     sequence's output equals, bit for bit, a step that holds that sequence alone — with the page
@@ -142,7 +157,7 @@ def _paged_step_case(name, monkeypatch, together: bool, window=None, one_by_one=
         assert torch.equal(together, torch.cat(alone)), budget
 
 
-@pytest.mark.parametrize("name", ["f16", "k8v8", "k8v4", "k4v4"])
+@pytest.mark.parametrize("name", ["f32", "f16", "k8v8", "k8v4", "k4v4"])
 @pytest.mark.parametrize("window,one_by_one", [(None, None), (4, None), (None, [False, True, False, True, False])],
                          ids=["plain", "window", "speculative-rows"])
 def test_c_paged_attention_matches_dequantize_and_sdpa(name, window, one_by_one, monkeypatch, c_kernels):
@@ -155,7 +170,8 @@ def test_c_paged_attention_matches_dequantize_and_sdpa(name, window, one_by_one,
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("name,rotate", [("f16", False)] + [(n, r) for n in ("k8v8", "k8v4", "k4v4") for r in (False, True)])
+@pytest.mark.parametrize("name,rotate", [("f32", False), ("f16", False)]
+                         + [(n, r) for n in ("k8v8", "k8v4", "k4v4") for r in (False, True)])
 def test_c_quantize_on_write_matches_the_specs(name, rotate, monkeypatch, c_kernels):
     """KVPool.write through the C kernel against the plain-torch specs (kernels/kv_quant.py) on the
     same tokens, K/V as strided views of one QKV row: without the rotation every code, scale and min

@@ -240,7 +240,7 @@ def test_the_cpu_path_never_uses_torchs_private_int4_layout(monkeypatch):
     weight-only kernels and their packing (whose layout differs between torch's AVX2 and AVX-512
     builds): each raises if called."""
     from lowbit.models.config import LlamaConfig
-    from lowbit.models.llama import KVCache, Llama
+    from lowbit.models.llama import Llama
     from lowbit.models.synthetic import random_weights
 
     def refuse(*a, **k):
@@ -251,10 +251,12 @@ def test_the_cpu_path_never_uses_torchs_private_int4_layout(monkeypatch):
     cfg = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
                       vocab_size=80, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=64, tie_embeddings=True)
     model = Llama(cfg, random_weights(cfg, "int4-g32", "int8-g32", seed=3)).eval()
+    from tests.helpers import Sequences
+
     with torch.inference_mode():
-        cache = KVCache.empty(cfg, 1, 24)
-        model(torch.arange(20)[None], cache, 0, exact=True)
-        logits = model(torch.tensor([[5]]), cache, 20, exact=False)
+        seq = Sequences(model, 1, 24)
+        seq.step(torch.arange(20)[None], exact=True)
+        logits = seq.step(torch.tensor([[5]]), exact=False)
     assert torch.isfinite(logits).all()
 
 

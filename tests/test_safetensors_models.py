@@ -59,10 +59,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lowbit.models.llama import KVCache, Llama
+from lowbit.models.llama import Llama
 from lowbit.quant import parse_weights, quantize_weight
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load.safetensors import load_hf_dir
+from tests.helpers import Sequences, forward
 
 transformers = importlib.import_module("transformers")
 
@@ -173,10 +174,10 @@ def _run(path: Path, fmt: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.T
     config, weights, _ = load_hf_dir(path, parse_weights(fmt))
     model = Llama(config, weights)
     with torch.no_grad():
-        full = model(ids, KVCache.empty(config, ids.shape[0], T), 0)
-        cache = KVCache.empty(config, ids.shape[0], T)
-        steps = [model(ids[:, :20], cache, 0), model(ids[:, 20:28], cache, 20)]
-        steps += [model(ids[:, t:t + 1], cache, t) for t in range(28, T)]
+        full = forward(model, ids)
+        seqs = Sequences(model, ids.shape[0], T)
+        steps = [seqs.step(ids[:, :20]), seqs.step(ids[:, 20:28])]
+        steps += [seqs.step(ids[:, t:t + 1]) for t in range(28, T)]
     return full, torch.cat(steps, dim=1)
 
 

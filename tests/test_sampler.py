@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from lowbit.runtime.engine.sampler import (
-    Sampler,
     SamplingParams,
     SamplingState,
     final_probs,
@@ -189,11 +188,14 @@ def test_logprobs_are_the_processed_distribution_before_temperature():
     assert plain.logprob is None and plain.top_logprobs is None
 
 
-def test_single_sequence_wrapper_records_its_output_for_penalties():
-    s = Sampler(SamplingParams(temperature=0, presence_penalty=2.0))
-    logits = torch.tensor([1.0, 0.5, 0.0])
-    assert [s(logits) for _ in range(3)] == [0, 1, 2]  # each pick is pushed down by 2 afterwards
-    assert s.p.temperature == 0 and s.state.output_ids == [0, 1, 2]
+def test_a_state_s_output_drives_its_penalties():
+    state = SamplingState(SamplingParams(temperature=0, presence_penalty=2.0))
+    logits = torch.tensor([[1.0, 0.5, 0.0]])
+    picks = []
+    for _ in range(3):
+        picks.append(sample_batch(logits, [state])[0].token)
+        state.output_ids.append(picks[-1])
+    assert picks == [0, 1, 2]  # each pick is pushed down by 2 afterwards
 
 
 @pytest.mark.parametrize("field, value", [

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.pages import PageManager
 from lowbit.runtime.engine.scheduler import QueueFull, Scheduler, Sequence, Status
 
@@ -56,8 +57,11 @@ class FakeRunner:
 
 
 def make(num_pages, page_size=4, prefix_caching=True, **kwargs):
+    """A scheduler with the engine's defaults but for the limits given."""
     bm = PageManager(num_pages, page_size, prefix_caching)
-    return Scheduler(bm, **kwargs), FakeRunner(bm)
+    d = EngineConfig()
+    limits = {"max_num_seqs": d.max_num_seqs, "max_step_tokens": d.max_step_tokens, "max_waiting": d.max_waiting}
+    return Scheduler(bm, **(limits | kwargs)), FakeRunner(bm)
 
 
 def step(sched, runner):

@@ -13,6 +13,7 @@ import pytest
 from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import Llama
 from lowbit.models.synthetic import random_weights
+from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.engine import AsyncEngine, Engine
 from lowbit.runtime.server.app import Served, build_app
 from tests.helpers import serving
@@ -50,7 +51,7 @@ def server():
     # exact matmuls: the default CPU path picks its kernel per row (prompt rows exact, generated rows
     # the fast kernel); all exact keeps these server tests independent of that choice, as they compare
     # concurrent replies with solo ones
-    engine = Engine(model, ByteTokenizer(), kv_memory=4 << 20, max_num_seqs=8, exact=True)
+    engine = Engine(model, ByteTokenizer(), EngineConfig(kv_memory=4 << 20, max_num_seqs=8, exact=True))
     run = engine._run
 
     def slow_run(scheduled):  # a few ms per step, so a dropped stream is still running when it drops
@@ -371,7 +372,7 @@ def test_health_is_503_until_the_model_is_ready():
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading" and "retry-after" in r.headers
         assert httpx.get(base + "/metrics").status_code == 200
         model = Llama(CFG, random_weights(CFG, "int4-g32", "int8-g32", seed=0, scale=0.1)).eval()
-        app.state.lowbit.ready(Served(AsyncEngine(Engine(model, ByteTokenizer(), kv_memory=1 << 20)),
+        app.state.lowbit.ready(Served(AsyncEngine(Engine(model, ByteTokenizer(), EngineConfig(kv_memory=1 << 20))),
                                       ByteTokenizer(), NAME, CTX))
         assert httpx.get(base + "/health").status_code == 200
         r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from lowbit.models.config import LlamaConfig
-from lowbit.models.llama import KVCache, Llama
+from lowbit.models.llama import Llama
 from lowbit.models.synthetic import random_weights
+from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.engine import Engine
 from lowbit.runtime.engine.sampler import SamplingParams
 from lowbit.runtime.engine.speculative import SpecConfig, lookup
+from tests.helpers import forward
 
 CFG = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
                   vocab_size=101, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256, tie_embeddings=False)
@@ -81,13 +83,15 @@ def test_lookup_by_hand():
 def test_greedy_tokens_equal_plain_decoding(target, byte_tokenizer, kv):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ps = prompts(6)
-    plain, _, _ = run(Engine(target, byte_tokenizer, kv_format=kv, kv_memory=1 << 20), [(p, greedy, None) for p in ps])
+    plain, _, _ = run(Engine(target, byte_tokenizer, EngineConfig(kv_format=kv, kv_memory=1 << 20)),
+                      [(p, greedy, None) for p in ps])
     specs = [("ngram,k=2", None), ("ngram,k=5", None), ("draft=x,k=3", tiny("int4-g32", seed=1)),
              ("draft=self,k=4", tiny("int4-g128"))]
     rate = {}
     for spec, draft in specs:
-        engine = Engine(target, byte_tokenizer, kv_format=kv, kv_memory=1 << 20,
-                        speculative=SpecConfig.parse(spec), draft_model=draft)
+        engine = Engine(target, byte_tokenizer,
+                        EngineConfig(kv_format=kv, kv_memory=1 << 20, speculative=SpecConfig.parse(spec)),
+                        draft_model=draft)
         got, _, usage = run(engine, [(p, greedy, None) for p in ps])
         assert got == plain, spec
         assert all(u.completion_tokens == 24 for u in usage)
@@ -106,7 +110,7 @@ def test_mixed_batch_per_request_k_and_stops_inside_accepted_runs(target, byte_t
     fall inside accepted runs, and small max_tokens. Each equals its plain run alone."""
     ps = prompts(8, seed=3)
     base = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    plain_engine = Engine(target, byte_tokenizer, kv_memory=1 << 20)
+    plain_engine = Engine(target, byte_tokenizer, EngineConfig(kv_memory=1 << 20))
     solo, _, _ = run(plain_engine, [(p, base, None) for p in ps])
     # a stop token and a stop string taken from the middle of two greedy replies
     stop_tok = solo[1][9]
@@ -118,10 +122,10 @@ def test_mixed_batch_per_request_k_and_stops_inside_accepted_runs(target, byte_t
     ks = [0, 4, 6, None, 1, 2, 3, 5]
     want, want_finish, want_usage = [], [], []
     for p, sp in zip(ps, params):
-        t, f, u = run(Engine(target, byte_tokenizer, kv_memory=1 << 20), [(p, sp, None)])
+        t, f, u = run(Engine(target, byte_tokenizer, EngineConfig(kv_memory=1 << 20)), [(p, sp, None)])
         want, want_finish, want_usage = want + t, want_finish + f, want_usage + u
-    engine = Engine(target, byte_tokenizer, kv_memory=1 << 20, speculative=SpecConfig.parse("draft=self,k=4"),
-                    draft_model=tiny("int4-g128"))
+    config = EngineConfig(kv_memory=1 << 20, speculative=SpecConfig.parse("draft=self,k=4"))
+    engine = Engine(target, byte_tokenizer, config, draft_model=tiny("int4-g128"))
     got, finish, usage = run(engine, list(zip(ps, params, ks)))
     assert got == want and finish == want_finish
     assert [u.completion_tokens for u in usage] == [u.completion_tokens for u in want_usage]
@@ -136,8 +140,10 @@ def test_preemption_and_abort_with_drafts_in_flight(target, byte_tokenizer):
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ps = prompts(6, seed=5)
     small = CFG.n_layers * 2 * CFG.n_kv_heads * CFG.head_dim * 2 * 16 * 12  # 12 pages of 16 f16 tokens
-    plain, _, _ = run(Engine(target, byte_tokenizer, kv_format="f16", kv_memory=1 << 20), [(p, greedy, None) for p in ps])
-    engine = Engine(target, byte_tokenizer, kv_format="f16", kv_memory=small, speculative=SpecConfig.parse("ngram,k=4"))
+    plain, _, _ = run(Engine(target, byte_tokenizer, EngineConfig(kv_format="f16", kv_memory=1 << 20)),
+                      [(p, greedy, None) for p in ps])
+    engine = Engine(target, byte_tokenizer,
+                    EngineConfig(kv_format="f16", kv_memory=small, speculative=SpecConfig.parse("ngram,k=4")))
     got, _, _ = run(engine, [(p, greedy, None) for p in ps])
     assert got == plain and engine.stats()["preemptions"] > 0
     assert_all_free(engine)
@@ -155,7 +161,7 @@ def _marginals(model: Llama, prompt: list[int], temperature: float, n: int = 3) 
     V = CFG.vocab_size
 
     def next_probs(seqs: torch.Tensor) -> torch.Tensor:  # [B, T] → [B, V]
-        x = model(seqs, KVCache.empty(CFG, seqs.shape[0], seqs.shape[1]), 0, exact=True)[:, -1]
+        x = forward(model, seqs, exact=True)[:, -1]
         return torch.softmax(x.double() / temperature, -1)
 
     base = torch.tensor([prompt])
@@ -195,9 +201,9 @@ def test_sampled_outputs_follow_the_targets_distribution(target, byte_tokenizer,
     n_checked = 3 if spec == "draft" else 2
     want = _marginals(target, prompt, 1.0, n_checked)
     draft = tiny("int4-g32", seed=1)
-    engine = Engine(target, byte_tokenizer, kv_format="f16", kv_memory=4 << 20, max_num_seqs=64, max_waiting=4096,
-                    speculative=SpecConfig.parse("draft=x,k=2" if spec == "draft" else "ngram,k=2,n=1"),
-                    draft_model=draft if spec == "draft" else None)
+    config = EngineConfig(kv_format="f16", kv_memory=4 << 20, max_num_seqs=64, max_waiting=4096,
+                          speculative=SpecConfig.parse("draft=x,k=2" if spec == "draft" else "ngram,k=2,n=1"))
+    engine = Engine(target, byte_tokenizer, config, draft_model=draft if spec == "draft" else None)
     N = 2000
     sp = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=4, ignore_eos=True, seed=s) for s in range(N)]
     got, _, _ = run(engine, [(prompt, p, None) for p in sp])
@@ -235,9 +241,9 @@ def test_served_with_speculation_reports_it_on_metrics(target, byte_tokenizer):
             return [min(max(ord(ch) - 32, 0), 99) for ch in text]
 
     prompt = "abcabcabcabc"
-    want, _, _ = run(Engine(target, Tok(), kv_memory=1 << 20),
+    want, _, _ = run(Engine(target, Tok(), EngineConfig(kv_memory=1 << 20)),
                      [(Tok().encode(prompt), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), None)])
-    engine = Engine(target, Tok(), kv_memory=1 << 20, speculative=SpecConfig.parse("ngram,k=3"))
+    engine = Engine(target, Tok(), EngineConfig(kv_memory=1 << 20, speculative=SpecConfig.parse("ngram,k=3")))
     app = build_app(Served(AsyncEngine(engine), Tok(), "tiny", CFG.max_seq_len), api_key=None)
     with serving(app) as base:
         r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 20,
@@ -309,18 +315,21 @@ def test_drafts_never_cost_other_sequences_pages_or_budget(target, byte_tokenize
     ps = [p[:10] * 2 for p in ps]  # repeating: the self-draft is right most of the time
     spec = SpecConfig.parse("draft=self,k=4")
     for kw in ({"kv_memory": 8 * PAGE_BYTES}, {"kv_memory": 1 << 20, "max_num_seqs": 2, "max_step_tokens": 2}):
-        plain, n_plain = _steps(Engine(target, byte_tokenizer, kv_format="f16", **kw), [(p, greedy) for p in ps])
-        engine = Engine(target, byte_tokenizer, kv_format="f16", speculative=spec, draft_model=tiny("int4-g128"), **kw)
+        plain, n_plain = _steps(Engine(target, byte_tokenizer, EngineConfig(kv_format="f16", **kw)),
+                                [(p, greedy) for p in ps])
+        engine = Engine(target, byte_tokenizer, EngineConfig(kv_format="f16", speculative=spec, **kw),
+                        draft_model=tiny("int4-g128"))
         got, n_spec = _steps(engine, [(p, greedy) for p in ps])
         assert got == plain and engine.stats()["preemptions"] == 0 and n_spec <= n_plain, kw
         assert_all_free(engine)
     # one reply to the end of a 3-page pool (48 tokens): "length" at the same token, and the draft's
     # pool (a 1-layer draft: 6 pages in the same bytes, so it is not the one that fills) freed
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    plain, _ = _steps(Engine(target, byte_tokenizer, kv_format="f16", kv_memory=3 * PAGE_BYTES), [(ps[0], long)])
+    plain, _ = _steps(Engine(target, byte_tokenizer, EngineConfig(kv_format="f16", kv_memory=3 * PAGE_BYTES)),
+                      [(ps[0], long)])
     one_layer = dataclasses.replace(CFG, n_layers=1)
     draft = Llama(one_layer, random_weights(one_layer, "int4-g32", "int8", seed=2, scale=0.1)).eval()
-    engine = Engine(target, byte_tokenizer, kv_format="f16", kv_memory=3 * PAGE_BYTES, speculative=spec,
+    engine = Engine(target, byte_tokenizer, EngineConfig(kv_format="f16", kv_memory=3 * PAGE_BYTES, speculative=spec),
                     draft_model=draft)
     got, _ = _steps(engine, [(ps[0], long)])
     pages = engine.pool.num_pages * 16
@@ -331,14 +340,14 @@ def test_drafts_never_cost_other_sequences_pages_or_budget(target, byte_tokenize
 def test_logprobs_of_verified_tokens_equal_plain_decodings(target, byte_tokenizer):
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     p = prompts(2, seed=4)[1]
-    plain, _ = _steps(Engine(target, byte_tokenizer, kv_memory=1 << 20), [(p, sp)])
-    engine = Engine(target, byte_tokenizer, kv_memory=1 << 20, speculative=SpecConfig.parse("ngram,k=3"))
+    plain, _ = _steps(Engine(target, byte_tokenizer, EngineConfig(kv_memory=1 << 20)), [(p, sp)])
+    engine = Engine(target, byte_tokenizer, EngineConfig(kv_memory=1 << 20, speculative=SpecConfig.parse("ngram,k=3")))
     got, _ = _steps(engine, [(p, sp)])
     assert got == plain and len(got[0][1]) == 20 and engine.stats()["spec_accepted"] > 0
 
 
 def test_a_bad_spec_k_leaves_nothing_behind(target, byte_tokenizer):
-    engine = Engine(target, byte_tokenizer, kv_memory=1 << 20, speculative=SpecConfig.parse("ngram,k=3"))
+    engine = Engine(target, byte_tokenizer, EngineConfig(kv_memory=1 << 20, speculative=SpecConfig.parse("ngram,k=3")))
     with pytest.raises(ValueError, match="spec_k must be in 0..16"):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), spec_k=17)
     assert not engine.has_work() and not engine.requests

@@ -23,6 +23,7 @@ import openai
 import pytest
 import torch
 
+from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.engine import Engine
 from lowbit.runtime.load.loader import load
 from lowbit.runtime.engine.sampler import SamplingParams
@@ -48,7 +49,7 @@ def recorded(model) -> list[torch.Tensor]:
 
 def generate(model, tok, prompts: list[list[int]], max_tokens: int, **engine_kw) -> tuple[list[list[int]], Engine]:
     """The prompts as concurrent greedy requests through one engine → each reply's token ids."""
-    engine = Engine(model, tok, kv_format="f16", kv_memory=4 << 20, page_size=4, **engine_kw)
+    engine = Engine(model, tok, EngineConfig(kv_format="f16", kv_memory=4 << 20, page_size=4, **engine_kw))
     rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
             for p in prompts]
     out = {r: [] for r in rids}
@@ -131,7 +132,7 @@ class TestDefaultModelTP3:
         # each rank caches one of the 3 KV heads: a third of the bytes per page, so the same
         # --kv-memory (a per-rank budget) holds 3x the pages, the same number on every rank
         info = tp.model.rank_info(engine.pool)
-        one_pool = Engine(one.model, tok, kv_format="f16", kv_memory=4 << 20, page_size=4).pool
+        one_pool = Engine(one.model, tok, EngineConfig(kv_format="f16", kv_memory=4 << 20, page_size=4)).pool
         assert [i["kv_heads"] for i in info] == [1, 1, 1] and len({i["pid"] for i in info}) == 3
         assert all(i["pool_bytes"] == engine.pool.nbytes <= 4 << 20 for i in info)
         assert 3 * engine.pool.nbytes // engine.pool.num_pages == one_pool.nbytes // one_pool.num_pages

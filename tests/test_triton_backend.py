@@ -1,10 +1,10 @@
-"""The CUDA path of the model: the Triton backend end to end, static-shape decode, CUDA graphs.
+"""The CUDA path of the model: the Triton backend end to end, through the engine.
 
 Without a GPU the Triton backend runs on the CPU under Triton's interpreter (tests/conftest.py),
 so the whole CUDA forward pass — every kernel, the layout conversion, the fused residual — is
 checked here against the CPU (torch) backend, whose exact path matches transformers
 (tests/test_exactness.py, tests/test_safetensors_models.py). The `gpu` cases repeat the checks
-compiled on CUDA and add graph capture.
+compiled on CUDA.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import torch
 from lowbit.kernels.triton_import import interpreting
 from lowbit.models.backend import select_backend, torch_backend, triton_backend
 from lowbit.models.config import LlamaConfig
-from lowbit.models.llama import KVCache, Llama
+from lowbit.models.llama import Llama
 from lowbit.models.synthetic import random_weights
-from lowbit.runtime.engine.cuda_graphs import GraphedDecode
-from lowbit.runtime.engine.generate import generate
-from lowbit.runtime.engine.sampler import Sampler, SamplingParams
+from lowbit.runtime.engine.config import EngineConfig
+from lowbit.runtime.engine.engine import Engine
+from lowbit.runtime.engine.sampler import SamplingParams
+from lowbit.runtime.engine.speculative import VERIFIED_GREEDY
+from tests.helpers import forward
 
 VOCAB = 101
 CFG = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
@@ -57,90 +59,43 @@ def test_triton_forward_matches_the_reference(weights, dtype, max_kl, device):
     fp32 rounding."""
     ref_model, model = _models(device, dtype, weights)
     tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
-    ref = ref_model(tokens, KVCache.empty(CFG, 2, 16), 0, exact=True)
-    fast = model(tokens.to(device), KVCache.empty(CFG, 2, 16, device), 0).cpu()
+    ref = forward(ref_model, tokens, exact=True)
+    fast = forward(model, tokens.to(device)).cpu()
     assert fast.shape == ref.shape == (2, 9, VOCAB)
     assert _kl(ref, fast).max() < max_kl
-    exact = model(tokens.to(device), KVCache.empty(CFG, 2, 16, device), 0, exact=True).cpu()
+    exact = forward(model, tokens.to(device), exact=True).cpu()
     torch.testing.assert_close(exact, ref, atol=2e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@torch.inference_mode()
-def test_static_decode_equals_sliced_decode(backend):
-    """`decode` (positions as a tensor, whole-cache masked attention: the CUDA-graph form) gives
-    the logits of the ordinary one-token forward, for sequences at different positions."""
-    ref_model, tri_model = _models("cpu") if backend == "triton" else (None, None)
-    model = tri_model if backend == "triton" else Llama(CFG, random_weights(CFG), torch_backend()).eval()
-    lens = [3, 11, 6]
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, VOCAB, (1, n), generator=g) for n in lens]
-    batch, single = KVCache.empty(CFG, 3, 20), [KVCache.empty(CFG, 1, 20) for _ in lens]
-    for b, p in enumerate(prompts):
-        model(p, KVCache(batch.k[:, b:b + 1], batch.v[:, b:b + 1]), 0)  # slot b's rows (views)
-        model(p, single[b], 0)
-    nxt = torch.tensor([7, 8, 9])
-    got = model.decode(nxt, torch.tensor(lens), batch)  # [3, V]
-    tol = 2e-3 if backend == "triton" else 1e-5  # fp16 activations: an ulp flip in attention's output
-    for b, n in enumerate(lens):
-        want = model(nxt[b].view(1, 1), single[b], n)[0, 0]
-        torch.testing.assert_close(got[b], want, atol=tol, rtol=tol)
-        torch.testing.assert_close(batch.k[:, b, :, : n + 1], single[b].k[:, 0, :, : n + 1])
-
-
-@torch.inference_mode()
-def test_graphed_decode_buckets_and_spare_slots():
-    """Buckets: 3 sequences run in the 4-slot bucket; the spare slot decodes at position 0 of its
-    own row, and the live rows' caches are written only at their own positions."""
-    model = Llama(CFG, random_weights(CFG), torch_backend()).eval()
-    cache = KVCache.empty(CFG, 4, 16)
-    runner = GraphedDecode(model, cache, buckets=(1, 2, 4), use_graphs=False)
-    assert [runner.bucket(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
-    with pytest.raises(ValueError, match="exceeds"):
-        runner.bucket(5)
-    before = cache.k.clone()
-    tokens, positions = torch.tensor([1, 2, 3]), torch.tensor([0, 5, 9])
-    out = runner(tokens, positions)
-    assert out.shape == (3, VOCAB)
-    torch.testing.assert_close(out, model.decode(tokens, positions, KVCache.empty(CFG, 3, 16)))
-    changed = (cache.k != before).any(dim=(0, 2, 4))  # [slots, S]: which (slot, position) got written
-    assert changed.nonzero().tolist() == [[0, 0], [1, 5], [2, 9], [3, 0]]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_generate_on_the_triton_backend(seed, device):
-    """Verified greedy on the Triton backend gives the exact model's greedy tokens (the torch
-    backend's exact path), and sampling with a seed is reproducible."""
+def test_verified_greedy_on_the_triton_backend(seed, device):
+    """Verified greedy through the engine on the Triton backend (fp16 drafts, the kernel's fp32
+    path verifying) gives the exact model's greedy tokens, recomputed from scratch on the torch
+    backend's exact path; sampling with a seed is reproducible."""
     ref_model, model = _models(device, seed=seed)
     tok = _ByteTokenizer()
     prompt = torch.randint(0, 100, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
-    greedy = Sampler(SamplingParams(temperature=0))
-    want = generate(ref_model, tok, prompt, 12, greedy)
-    got = generate(model, tok, prompt, 12, greedy)
-    assert got.token_ids == want.token_ids
-    a = generate(model, tok, prompt, 8, Sampler(SamplingParams(temperature=0.8, seed=3)), verify_greedy=False)
-    b = generate(model, tok, prompt, 8, Sampler(SamplingParams(temperature=0.8, seed=3)), verify_greedy=False)
-    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+    ids, want = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(12):
+            want.append(int(forward(ref_model, torch.tensor([ids]), exact=True)[0, -1].argmax()))
+            ids.append(want[-1])
+    want = want[:next((i for i, t in enumerate(want) if t in tok.eos_ids), len(want))]
 
+    def reply(config: EngineConfig, params: SamplingParams) -> list[int]:
+        engine = Engine(model, tok, config)
+        engine.add_request(prompt, params)
+        out = []
+        while engine.has_work():
+            out += [t for d in engine.step() for t in d.token_ids]
+        return out
 
-@pytest.mark.gpu
-@torch.inference_mode()
-def test_cuda_graph_replay_equals_eager():
-    """Graph replay (captured per bucket) gives the eager step's logits, over several steps and
-    batch sizes, and keeps writing the cache at the right positions."""
-    _, model = _models("cuda")
-    eager_cache, graph_cache = KVCache.empty(CFG, 4, 32, "cuda"), KVCache.empty(CFG, 4, 32, "cuda")
-    eager = GraphedDecode(model, eager_cache, buckets=(1, 2, 4), use_graphs=False)
-    graphed = GraphedDecode(model, graph_cache, buckets=(1, 2, 4), use_graphs=True)
-    g = torch.Generator().manual_seed(0)
-    for step in range(6):
-        B = [1, 3, 4, 2, 4, 1][step]
-        tokens = torch.randint(0, VOCAB, (B,), generator=g).cuda()
-        positions = torch.full((B,), step, device="cuda")
-        torch.testing.assert_close(graphed(tokens, positions), eager(tokens, positions), atol=1e-3, rtol=1e-3)
-    assert sorted(graphed.graphs) == [1, 2, 4]
-    torch.testing.assert_close(graph_cache.k, eager_cache.k, atol=1e-3, rtol=1e-3)
+    verified = EngineConfig(kv_format="f32", kv_memory=1 << 20, speculative=VERIFIED_GREEDY)
+    assert reply(verified, SamplingParams(temperature=0, max_tokens=12)) == want
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=8)
+    a, b = (reply(EngineConfig(kv_memory=1 << 20), sampled) for _ in range(2))
+    assert a == b and len(a) > 0
 
 
 def test_backend_selection_errors():
@@ -168,14 +123,13 @@ class _ByteTokenizer:
 def test_engine_on_the_triton_backend(device):
     """The paged engine runs on the Triton backend: with exact matmuls it gives the torch backend's
     greedy tokens for a batch of prompts, in k8v4."""
-    from lowbit.runtime.engine.engine import Engine
 
     ref_model, model = _models(device)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 6, 7], list(range(10, 31)), [42] * 9]
 
     def tokens(m):
-        eng = Engine(m, _ByteTokenizer(), kv_format="k8v4", kv_memory=1 << 20, page_size=4, exact=True)
+        eng = Engine(m, _ByteTokenizer(), EngineConfig(kv_format="k8v4", kv_memory=1 << 20, page_size=4, exact=True))
         for i, p in enumerate(prompts):
             eng.add_request(p, params, f"r{i}")
         out = {f"r{i}": [] for i in range(len(prompts))}

@@ -44,7 +44,7 @@ DEVICES = [
                                                  reason="CPU runs kernels only under TRITON_INTERPRET=1")),
     pytest.param("cuda", marks=pytest.mark.gpu),
 ]
-FORMATS = [KV_FORMATS[name] for name in ("f16", "k8v8", "k8v4", "k4v4")]
+FORMATS = [KV_FORMATS[name] for name in ("f32", "f16", "k8v8", "k8v4", "k4v4")]
 # (page_size, D, H, Hkv)
 SHAPES = [(16, 64, 4, 2), (4, 16, 9, 3)]
 # (context_len, query_len): decodes over 1, 5 and 37 cached tokens (37 = a partial last page of 16
@@ -56,9 +56,9 @@ def alloc_side(P: int, Hkv: int, page: int, D: int, bits: int, group: int, gen: 
                device) -> KVSide:
     """One pool side in runtime/engine/kv_cache.py's layout, filled with garbage — NaN scales and data, random
     codes — so that a kernel reading a slot it should not shows up as NaN or a wrong value."""
-    nan = lambda *s: torch.full(s, float("nan"), dtype=torch.float16, device=device)  # noqa: E731
-    if bits == 16:
-        return KVSide(16, D, data=nan(P, Hkv, page, D))
+    nan = lambda *s, dtype=torch.float16: torch.full(s, float("nan"), dtype=dtype, device=device)  # noqa: E731
+    if bits in (32, 16):
+        return KVSide(bits, D, data=nan(P, Hkv, page, D, dtype=torch.float32 if bits == 32 else torch.float16))
     G = D // group
     scales = nan(P, Hkv, page, G)
     if bits == 8:
@@ -75,8 +75,8 @@ def copy_side(side: KVSide, device) -> KVSide:
 
 # ---- kv_write -------------------------------------------------------------------------------------
 
-# (bits, group before the cap at D): one group per head, several groups, int4's pairs
-WRITE_FORMATS = [(16, 0), (8, 64), (8, 16), (4, 32), (4, 8)]
+# (bits, group before the cap at D): the float sides, one group per head, several groups, int4's pairs
+WRITE_FORMATS = [(32, 0), (16, 0), (8, 64), (8, 16), (4, 32), (4, 8)]
 
 
 def write_inputs(M, Hkv, D, page, P, *, gen, dtype):
@@ -95,7 +95,7 @@ def write_inputs(M, Hkv, D, page, P, *, gen, dtype):
 @pytest.mark.parametrize(("page", "D", "H", "Hkv"), SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_write_matches_ref_bit_for_bit(device, bits, group, page, D, H, Hkv, dtype):
-    group = D if bits == 16 else min(group, D)
+    group = D if bits >= 16 else min(group, D)
     gen = torch.Generator().manual_seed(bits * 100 + group + D)
     P, M = 7, 11
     x, slots = write_inputs(M, Hkv, D, page, P, gen=gen, dtype=dtype)
@@ -196,6 +196,9 @@ def test_kv_write_bad_inputs(device):
         kv_write(x, slots, replace(side, group=48), 4)
     with pytest.raises(ValueError, match="contiguous"):
         kv_write(torch.zeros(3, 64, 2, device=device).transpose(1, 2), slots, side, 4)
+    f16 = alloc_side(2, 2, 4, 64, 16, 64, torch.Generator(), device)
+    with pytest.raises(ValueError, match="data must be contiguous torch.float32"):
+        kv_write(x, slots, replace(f16, bits=32), 4)  # fp16 data taken for an f32 side
 
 
 # ---- paged_attention ------------------------------------------------------------------------------
@@ -340,7 +343,8 @@ def test_paged_attention_ref_against_sdpa(fmt):
     b = make_batch(fmt, page, D, H, Hkv, SEQS, gen=gen, device="cpu")
     got = paged_attention_ref(**b.args(fmt, page))
     kg, vg = fmt.side_group("k", D), fmt.side_group("v", D)
-    roundtrip = {16: lambda x, g: x.half().float(),
+    roundtrip = {32: lambda x, g: x,
+                 16: lambda x, g: x.half().float(),
                  8: lambda x, g: dequantize_int8(*quantize_int8(x, g)),
                  4: lambda x, g: dequantize_int4(*quantize_int4(x, g))}
     row = 0

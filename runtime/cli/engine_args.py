@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+from lowbit.quant.kv import KV_FORMATS
+from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load.registry import DEFAULT_MODEL
 
+DEFAULTS = EngineConfig()
 WEIGHTS_HELP = ("weight layout: auto (GGUF: keep Q4_0/Q4_1/Q8_0 losslessly, requantize K-quants; "
                 "safetensors: int4-g32), int4-g32, int4-g64, int4-g128, int4-sym-g32/64/128, int8, "
                 "int8-g32/64/128, bf16, f16, f32, and on CPU bitsandbytes' bnb-nf4, bnb-int8")
@@ -32,19 +35,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_kv_args(p: argparse.ArgumentParser, speculative_help: str = SPECULATIVE_HELP) -> None:
-    """The KV-cache and speculation flags, which `run` takes too."""
-    p.add_argument("--kv-cache", default="k8v4", choices=("f16", "k8v8", "k8v4", "k4v4"),
-                   help="KV cache format of the paged engine (default k8v4: 8-bit keys, 4-bit values)")
-    p.add_argument("--kv-memory", default="256MiB",
+    """The KV-cache and speculation flags, which `run` takes too; choices and defaults are the
+    engine's own (quant/kv.py, engine/config.py)."""
+    memory = f"{DEFAULTS.kv_memory >> 20}MiB"
+    p.add_argument("--kv-cache", default=DEFAULTS.kv_format, choices=tuple(KV_FORMATS),
+                   help=f"KV cache format of the paged engine (default {DEFAULTS.kv_format}; see docs/engine.md)")
+    p.add_argument("--kv-memory", default=memory,
                    help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, or on CUDA a share "
-                        "of the free GPU memory like 90%% (default 256MiB)")
+                        f"of the free GPU memory like 90%% (default {memory})")
     p.add_argument("--speculative", default=None, metavar="SPEC", help=speculative_help)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Every engine flag: the KV and speculation flags plus batching and context limits."""
     add_kv_args(p)
-    p.add_argument("--max-num-seqs", type=int, default=16, help="most requests decoded together (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs,
+                   help=f"most requests decoded together (default {DEFAULTS.max_num_seqs})")
     p.add_argument("--ctx-size", type=int, default=None,
                    help="most tokens per request, prompt and reply together (default: the model's context)")
 
@@ -110,6 +116,14 @@ def check_engine_args(args) -> None:
         raise LowbitError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
 
 
+def engine_config(args, kv_memory: int | float, spec) -> EngineConfig:
+    """The flags' engine: `--kv-memory` already read by parse_size, `--speculative` by
+    parse_speculative; flags a command does not take keep the defaults."""
+    return EngineConfig(kv_format=args.kv_cache, kv_memory=kv_memory, speculative=spec,
+                        max_num_seqs=getattr(args, "max_num_seqs", DEFAULTS.max_num_seqs),
+                        max_model_len=getattr(args, "ctx_size", None))
+
+
 def load_model(ref, args, progress: bool | None = None):
     """The model the flags name: one process, or `--tp N` ranks (runtime/engine/tp.py)."""
     if getattr(args, "tp", 1) != 1:
@@ -130,8 +144,7 @@ def load_served(args, kv_memory, progress: bool | None = None):
     model_ref = args.model_pos or args.model
     lm = load_model(model_ref, args, progress)
     draft = load_draft(spec, lm, args.device, args.dtype)
-    engine = Engine(lm.model, lm.tokenizer, kv_format=args.kv_cache, kv_memory=kv_memory,
-                    max_num_seqs=args.max_num_seqs, max_model_len=args.ctx_size, speculative=spec, draft_model=draft)
+    engine = Engine(lm.model, lm.tokenizer, engine_config(args, kv_memory, spec), draft_model=draft)
     name = getattr(args, "served_model_name", None) or lm.path.name
     return Served(AsyncEngine(engine), lm.tokenizer, name, engine.max_model_len,
                   {"weights": lm.weights, "kv_cache": args.kv_cache, "device": str(lm.model.device),

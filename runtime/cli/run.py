@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from dataclasses import dataclass
 
-from lowbit.runtime.cli.engine_args import (SPECULATIVE_HELP, add_kv_args, add_model_args, load_draft, load_model,
-                                            parse_size, parse_speculative)
+from lowbit.runtime.cli.engine_args import (SPECULATIVE_HELP, add_kv_args, add_model_args, engine_config, load_draft,
+                                            load_model, parse_size, parse_speculative)
 from lowbit.runtime.errors import LowbitError
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    ttft_s: float  # prompt in → first token chosen
+    decode_s: float  # first token chosen → last token kept
+    finish_reason: str  # "stop" (end token) | "length"
+
+    @property
+    def decode_tok_s(self) -> float:
+        n = len(self.token_ids) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
 def add_run_parser(sub) -> None:
@@ -31,6 +48,7 @@ def add_run_parser(sub) -> None:
 
 def cmd_run(args) -> int:
     from lowbit.runtime.engine.sampler import SamplingParams
+    from lowbit.runtime.engine.speculative import VERIFIED_GREEDY
 
     prompt = args.prompt if args.prompt is not None else ("" if sys.stdin.isatty() else sys.stdin.read())
     if not prompt.strip():
@@ -61,14 +79,15 @@ def cmd_run(args) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    spec_stats = None
+    config = engine_config(args, kv_memory, spec)
+    kv = args.kv_cache
+    # verified greedy: the exact model's greedy reply, drafted by the fast kernels, over an fp32 cache
+    # (so the exact pass reads back exactly what it wrote); with --tp, greedy is the fast kernels' own
+    verified = args.temperature == 0 and not args.fast_greedy and spec is None and args.tp == 1
+    if verified:
+        config, kv = dataclasses.replace(config, kv_format="f32", speculative=VERIFIED_GREEDY), "f32 (verified greedy)"
     try:
-        # verified greedy runs the contiguous cache in one process; with --tp, greedy goes through the engine
-        if args.temperature == 0 and not args.fast_greedy and spec is None and args.tp == 1:
-            res, kv = _verified_greedy(lm, ids, args.max_tokens, write), "f32 (verified greedy)"
-        else:
-            res, spec_stats = _engine_run(lm, ids, params, args.kv_cache, kv_memory, write, spec, draft)
-            kv = args.kv_cache
+        res, spec_stats = _engine_run(lm, ids, params, config, write, draft)
     except ValueError as e:
         raise LowbitError(str(e)) from None
     if not res.text.endswith("\n"):
@@ -87,24 +106,13 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _verified_greedy(lm, ids, max_tokens, write):
-    """Greedy with every token checked by the exact model (runtime/engine/generate.py). It still runs on the
-    contiguous fp32 cache: moving verification into the engine is speculative decoding's job."""
-    from lowbit.runtime.engine.generate import generate
-    from lowbit.runtime.engine.sampler import Sampler, SamplingParams
-
-    return generate(lm.model, lm.tokenizer, ids, max_tokens, Sampler(SamplingParams(temperature=0)), on_text=write)
-
-
-def _engine_run(lm, ids, params, kv_format, kv_memory, write, spec=None, draft=None):
+def _engine_run(lm, ids, params, config, write, draft=None):
     """One request through the paged engine, streamed → (result, speculative stats or None)."""
     import time
 
     from lowbit.runtime.engine.engine import Engine
-    from lowbit.runtime.engine.generate import GenerationResult
 
-    engine = Engine(lm.model, lm.tokenizer, kv_format=kv_format, kv_memory=kv_memory, speculative=spec,
-                    draft_model=draft)
+    engine = Engine(lm.model, lm.tokenizer, config, draft_model=draft)
     t0 = time.perf_counter()
     rid = engine.add_request(ids, params)
     out, pieces, t_first, t_last, finish, spec_stats = [], [], None, None, "length", None

@@ -1,14 +1,17 @@
 """The engine: continuous batching over the paged, quantized KV pool.
 
 One loop, as DESIGN.md draws it: `batch = scheduler.schedule(); out = runner.run(batch);
-scheduler.postprocess(batch, out)`, here `Engine.step()`. Requests join and leave at every step;
-each step's sampled tokens come back as `Delta`s (text, ids, logprobs, finish reason, usage).
+scheduler.postprocess(batch, out)`, here `Engine.step()` (the runner: runtime/engine/runner.py).
+Requests join and leave at every step; each step's sampled tokens come back as `Delta`s (text, ids,
+logprobs, finish reason, usage).
 `AsyncEngine` runs steps on a background thread and hands each request an async stream.
 
 With a speculator (runtime/engine/speculative.py) a step first asks it for drafts for every sequence
 ready to decode, runs each such sequence's pending token and drafts as one chunk, verifies the
 drafts against the target's logits at every position of the chunk, and emits the accepted run
-plus the target's own token: one step may then stream several tokens of a request.
+plus the target's own token: one step may then stream several tokens of a request. Verified
+greedy (`lowbit run --temperature 0`) is such a speculator: the model's own fast kernels draft and
+every row of the request runs exactly, so its reply is the exact model's greedy reply.
 """
 
 from __future__ import annotations
@@ -19,19 +22,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lowbit.models.attention import PagedBatch
-from lowbit.quant.kv import DEFAULT_KV_FORMAT, parse_kv_format
-from lowbit.quant.linear import ExactRows
-from lowbit.runtime.engine.pages import PageManager
+from lowbit.quant.kv import parse_kv_format
+from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.detokenizer import StreamDetokenizer
 from lowbit.runtime.engine.kv_cache import KVPool
+from lowbit.runtime.engine.pages import PageManager
+from lowbit.runtime.engine.runner import Chunk, Runner, exact_rows
 from lowbit.runtime.engine.sampler import SampleResult, SamplingParams, SamplingState, mask_padding, results, sample_batch
-from lowbit.runtime.engine.scheduler import ScheduledSeq, Scheduler, Sequence
-from lowbit.runtime.engine.speculative import MAX_K, DraftProposer, NgramProposer, Proposal, SpecConfig, SpecStats, verify
+from lowbit.runtime.engine.scheduler import ScheduledSeq, Scheduler, Sequence, Status
+from lowbit.runtime.engine.speculative import (MAX_K, DraftProposer, FastDrafter, NgramProposer, Proposal, SpecStats,
+                                               verify)
 from lowbit.runtime.engine.stop import StopMatcher
-
-DEFAULT_KV_MEMORY = 256 << 20  # bytes: 28,137 tokens of the default model in k8v4 (9,540 B/token)
-
 
 def kv_budget(kv_memory: int | float, device: torch.device) -> int:
     """Bytes for the KV pool: a byte count, or a fraction (0, 1) of the GPU memory free right now
@@ -71,40 +72,41 @@ class _Request:
     grammar: object | None = None  # runtime.grammar.Grammar: masks each step's logits (structured output)
     cached: int = 0
     spec_k: int = 0  # most drafts per step (0: no speculation)
+    exact: bool = False  # every row on the exact path (verified greedy), not only the prompt's
     spec: SpecStats = field(default_factory=SpecStats)
 
 
 class Engine:
-    def __init__(self, model, tokenizer, kv_format: str = DEFAULT_KV_FORMAT, kv_memory: int | float = DEFAULT_KV_MEMORY,
-                 page_size: int = 16, max_num_seqs: int = 16, max_step_tokens: int = 512, max_waiting: int = 256,
-                 prefix_caching: bool = True, exact: bool | None = None, max_model_len: int | None = None,
-                 speculative: SpecConfig | None = None, draft_model=None):
-        """speculative: proposals for every request (a request may ask for fewer or none); a
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), draft_model=None):
+        """config.speculative: proposals for every request (a request may ask for fewer or none); a
         `draft` config needs `draft_model`, a model sharing the target's vocabulary, whose KV pool
         gets the same budget as the target's."""
-        c = model.config
-        if max_model_len is not None and not 0 < max_model_len <= c.max_seq_len:
-            raise ValueError(f"the context size must be in 1..{c.max_seq_len} (the model's), got {max_model_len}")
-        self.model, self.tok, self.exact = model, tokenizer, exact
-        self.max_model_len = max_model_len or c.max_seq_len  # prompt + reply, in tokens
+        c, e = model.config, config
+        if e.max_model_len is not None and not 0 < e.max_model_len <= c.max_seq_len:
+            raise ValueError(f"the context size must be in 1..{c.max_seq_len} (the model's), got {e.max_model_len}")
+        self.model, self.tok, self.config, self.exact = model, tokenizer, e, e.exact
+        self.max_model_len = e.max_model_len or c.max_seq_len  # prompt + reply, in tokens
         # model.kv_heads: the heads this process caches (all of them, or one tensor-parallel rank's share)
-        self.pool = KVPool.from_budget(parse_kv_format(kv_format), c.n_layers, model.kv_heads, c.head_dim,
-                                       kv_budget(kv_memory, model.device), page_size, model.device)
-        self.blocks = PageManager(self.pool.num_pages, page_size, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_step_tokens, max_waiting)
+        self.pool = KVPool.from_budget(parse_kv_format(e.kv_format), c.n_layers, model.kv_heads, c.head_dim,
+                                       kv_budget(e.kv_memory, model.device), e.page_size, model.device)
+        self.blocks = PageManager(self.pool.num_pages, e.page_size, e.prefix_caching)
+        self.runner = Runner(model, self.pool)
+        self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_step_tokens, e.max_waiting)
         self.requests: dict[str, _Request] = {}
         self._ids = 0
-        self.speculative, self.proposer, self.spec = speculative, None, SpecStats()
-        if speculative is not None and speculative.method == "ngram":
-            self.proposer = NgramProposer(speculative)
-        elif speculative is not None:
+        self.speculative, self.proposer, self.spec = e.speculative, None, SpecStats()
+        if e.speculative is not None and e.speculative.method == "ngram":
+            self.proposer = NgramProposer(e.speculative)
+        elif e.speculative is not None and e.speculative.method == "verify":
+            self.proposer = FastDrafter(self.runner, self.blocks, tokenizer.vocab_size, frozenset(tokenizer.eos_ids))
+        elif e.speculative is not None:
             if draft_model is None:
                 raise ValueError("speculative decoding with a draft model needs the draft model")
             if draft_model.config.vocab_size != c.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
                                  f"target's ({c.vocab_size}); a draft must share the target's tokenizer")
-            self.proposer = DraftProposer(draft_model, tokenizer.vocab_size, parse_kv_format(kv_format),
-                                          kv_budget(kv_memory, draft_model.device), page_size)
+            self.proposer = DraftProposer(draft_model, tokenizer.vocab_size, parse_kv_format(e.kv_format),
+                                          kv_budget(e.kv_memory, draft_model.device), e.page_size)
         self._proposals: dict[str, Proposal] = {}
 
     # ---- requests ------------------------------------------------------------------------------
@@ -130,12 +132,16 @@ class Engine:
         k = (self.speculative.k if spec_k is None else spec_k) if self.proposer is not None else 0
         if not 0 <= k <= MAX_K:
             raise ValueError(f"spec_k must be in 0..{MAX_K}, got {k}")
+        # verified greedy verifies greedy requests only: a sampled one decodes on the fast kernels
+        verified = isinstance(self.proposer, FastDrafter) and params.greedy and grammar is None
+        if isinstance(self.proposer, FastDrafter) and not verified:
+            k = 0
         max_tokens = min(params.max_tokens, limit - len(prompt_ids))
         seq = Sequence(request_id, list(prompt_ids), max_tokens)
         self.scheduler.add(seq)
         self.requests[request_id] = _Request(seq, SamplingState(params, tuple(prompt_ids)),
                                              StreamDetokenizer(self.tok), StopMatcher(params.stop), grammar,
-                                             spec_k=0 if grammar is not None else k)
+                                             spec_k=0 if grammar is not None else k, exact=verified)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -258,30 +264,25 @@ class Engine:
         return results(v.processed, torch.tensor(v.tokens, device=v.processed.device), [n] * len(v.tokens))
 
     def _run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        dev = self.model.device
-        tokens, positions, rows, prompt_rows = [], [], [], []
-        n = 0
-        for s in scheduled:
-            tokens += s.seq.all_ids[s.start:s.start + s.num_tokens]
-            positions += range(s.start, s.start + s.num_tokens)
-            prompt_rows += [p < len(s.seq.prompt_ids) for p in range(s.start, s.start + s.num_tokens)]
-            n += s.num_tokens
-            if s.sample:  # the last position, and every draft's (verification needs them all)
-                rows += range(n - 1 - s.num_drafts, n)
-        batch = PagedBatch(
-            positions=torch.tensor(positions, device=dev),
-            slots=torch.tensor([slot for s in scheduled for slot in s.slots], device=dev),
-            query_lens=[s.num_tokens for s in scheduled],
-            context_lens=[s.start + s.num_tokens for s in scheduled],
-            block_tables=[torch.tensor(self.blocks.block_table(s.seq.seq_id), device=dev) for s in scheduled],
-            logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
-            one_by_one=[s.num_drafts > 0 for s in scheduled])
-        exact = self.exact
-        if exact is None and self.model.backend.name == "torch":
-            # CPU kernels differ by path (exact fp32 vs the fast kernel): prompt tokens always exact, generated
-            # tokens always fast, so a reply does not depend on its batch or on prefix-cache hits
-            exact = ExactRows.of(prompt_rows, dev)
-        return self.model.forward_paged(torch.tensor(tokens, device=dev), batch, self.pool, exact)
+        chunks = [self._chunk(s) for s in scheduled]
+        return self.runner.run(chunks, self.exact if self.exact is not None else exact_rows(chunks, self.model.device))
+
+    def _chunk(self, s: ScheduledSeq) -> Chunk:
+        """A scheduled sequence's tokens this step; a sampled one wants logits at its last position and
+        at every draft's (verification needs them all).
+
+        Its exact rows: all of a verified-greedy request's; on CPU, whose kernels differ by path (exact
+        fp32 vs the fast kernel), also every prompt token, so that generated tokens are always fast and
+        prompt tokens always exact and a reply does not depend on its batch or on prefix-cache hits."""
+        end = s.start + s.num_tokens
+        if self.requests[s.seq.seq_id].exact:
+            exact = s.num_tokens
+        elif self.model.backend.name == "torch":
+            exact = max(0, min(end, len(s.seq.prompt_ids)) - s.start)
+        else:
+            exact = 0
+        return Chunk(s.seq.all_ids[s.start:end], s.start, s.slots, self.blocks.block_table(s.seq.seq_id),
+                     logits=1 + s.num_drafts if s.sample else 0, one_by_one=s.num_drafts > 0, exact=exact)
 
     def _emit(self, rid: str, chosen: list[SampleResult], finish: str | None) -> Delta:
         """One delta for the tokens a step chose for a request (one, or an accepted speculative run
@@ -302,7 +303,7 @@ class Engine:
                 logprobs.append((result.logprob, result.top_logprobs))
             if stop_token or stopped:
                 finish = "stop"
-                if req.seq.status.name != "FINISHED":
+                if req.seq.status is not Status.FINISHED:
                     self.scheduler.finish(rid, "stop")
                 break
         delta = Delta(rid, text, ids, logprobs, finish)

@@ -4,6 +4,7 @@ Pages hold `page_size` tokens; the page manager (runtime/engine/pages.py) decide
 slot each token gets, this module only stores and reads. Per layer and side (K, V), one `KVSide`
 (kernels/kv_side.py), which is what the kernels take:
 
+    f32   data   fp32  [P, Hkv, page, D]
     f16   data   fp16  [P, Hkv, page, D]
     int8  codes  int8  [P, Hkv, page, D]     scales fp16 [P, Hkv, page, G]
     int4  codes  uint8 [P, Hkv, page, D/2]   scales, mins fp16 [P, Hkv, page, G]
@@ -49,8 +50,9 @@ class KVPool:
     def _alloc(self, name: Literal["k", "v"], device) -> KVSide:
         P, H, S, D = self.num_pages, self.n_kv_heads, self.page_size, self.head_dim
         bits, group = self.fmt.side_bits(name), self.fmt.side_group(name, D)
-        if bits == 16:
-            return KVSide(bits, group, data=torch.zeros(P, H, S, D, dtype=torch.float16, device=device))
+        if bits >= 16:  # f32, f16: the values themselves
+            dtype = torch.float32 if bits == 32 else torch.float16
+            return KVSide(bits, group, data=torch.zeros(P, H, S, D, dtype=dtype, device=device))
         G = D // group
         scales = torch.zeros(P, H, S, G, dtype=torch.float16, device=device)
         if bits == 8:
@@ -80,7 +82,7 @@ class KVPool:
             if kernels is not None and x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]:
                 kernels.kv_write(x, slots.to(torch.int64).contiguous(), self.page_size, side, self.rot)
                 continue
-            if side.bits == 16:
+            if side.bits >= 16:
                 side.data[page, :, off] = x.to(side.data.dtype)  # [M, Hkv, D] at (page, :, off)
                 continue
             x = x.float() if self.rot is None else x.float() @ self.rot

@@ -29,7 +29,7 @@ _ROOT = 0  # key id of the empty prefix: the parent of every sequence's first pa
 
 
 class PageManager:
-    def __init__(self, num_pages: int, page_size: int = 16, prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages} and {page_size}")
         self.num_pages = num_pages

@@ -295,18 +295,3 @@ def results(x: torch.Tensor, tokens: torch.Tensor, want: list[int | None]) -> li
                 top[i] = list(zip(ids[i][:n], vals[i][:n])) if n else []
     return [SampleResult(t, c if n is not None else None, alts)
             for t, c, alts, n in zip(token_list, chosen_lp, top, want)]
-
-
-class Sampler:
-    """Single-sequence wrapper for runtime/engine/generate.py: `sampler(logits[V]) -> token`. It records
-    its own tokens as the output, so presence/frequency/repetition penalties work across calls."""
-
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
-        self.p = params
-        self.state = SamplingState(params, list(prompt_ids))
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits fp32 [V] → token id."""
-        tok = sample_batch(logits.reshape(1, -1), [self.state])[0].token
-        self.state.output_ids.append(tok)
-        return tok

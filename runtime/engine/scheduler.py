@@ -90,9 +90,9 @@ class Scheduler:
     def __init__(
         self,
         pages: PageManager,
-        max_num_seqs: int = 16,
-        max_step_tokens: int = 512,
-        max_waiting: int = 256,
+        max_num_seqs: int,
+        max_step_tokens: int,
+        max_waiting: int,
     ):
         if max_num_seqs < 1 or max_step_tokens < max_num_seqs:
             raise ValueError(

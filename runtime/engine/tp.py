@@ -39,6 +39,7 @@ import torch.distributed as dist
 from lowbit.models.attention import PagedBatch
 from lowbit.models.sharding import Shard
 from lowbit.quant.linear import ExactRows
+from lowbit.runtime.engine.runner import paged_batch
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.ports import free_port
 
@@ -223,16 +224,12 @@ def _pack_step(tokens: torch.Tensor, batch: PagedBatch, pool, exact) -> dict:
 
 
 def _unpack_step(m: dict) -> tuple[torch.Tensor, PagedBatch, object]:
-    def ids(x) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.long)
-
-    batch = PagedBatch(positions=ids(m["positions"]), slots=ids(m["slots"]), query_lens=m["query_lens"],
-                       context_lens=m["context_lens"], block_tables=[ids(t) for t in m["block_tables"]],
-                       logits_rows=ids(m["logits_rows"]), one_by_one=m["one_by_one"])
+    batch = paged_batch(m["positions"], m["slots"], m["query_lens"], m["context_lens"], m["block_tables"],
+                        m["logits_rows"], m["one_by_one"])
     exact = m["exact"]
     if isinstance(exact, list):
         exact = ExactRows(torch.tensor(exact, dtype=torch.bool))
-    return ids(m["tokens"]), batch, exact
+    return torch.tensor(m["tokens"], dtype=torch.long), batch, exact
 
 
 def _rank_info(model, pool) -> dict:

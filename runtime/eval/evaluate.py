@@ -18,11 +18,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lowbit.models.attention import PagedBatch
 from lowbit.quant.kv import KV_FORMATS
+from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.kv_cache import KVPool
+from lowbit.runtime.engine.runner import Chunk, Runner
 
-PAGE = 16  # tokens per KV page
+PAGE = EngineConfig().page_size  # tokens per KV page, as the engine's
 
 
 @dataclass
@@ -75,10 +76,9 @@ def window_logprobs(model, ids: list[int], kv: str) -> torch.Tensor:
     n_pages = -(-T // PAGE)
     pool = KVPool(KV_FORMATS[kv], c.n_layers, c.n_kv_heads, c.head_dim, num_pages=n_pages, page_size=PAGE,
                   device=model.device)
-    pages = torch.arange(n_pages, device=model.device).flip(0)
-    pos = torch.arange(T, device=model.device)
-    batch = PagedBatch(pos, pages[pos // PAGE] * PAGE + pos % PAGE, [T], [T], [pages], pos)
-    logits = model.forward_paged(torch.tensor(ids, device=model.device), batch, pool, exact=True)  # [T, V]
+    pages = list(range(n_pages))[::-1]
+    slots = [pages[p // PAGE] * PAGE + p % PAGE for p in range(T)]
+    logits = Runner(model, pool).run([Chunk(ids, 0, slots, pages, logits=T)], exact=True)  # [T, V]
     return logits.float().log_softmax(-1).cpu()
 
 
@@ -182,10 +182,11 @@ def llama_cpp_variants(gguf: str, kv_pairs: list[tuple[str, str]], config, ctx: 
 
 def decode_tps(model, tokenizer, kv: str, n: int = 32) -> float:
     """Single-stream decode tok/s through the engine (greedy, fast kernels), after a short prompt."""
+    from lowbit.runtime.engine.config import EngineConfig
     from lowbit.runtime.engine.engine import Engine
     from lowbit.runtime.engine.sampler import SamplingParams
 
-    engine = Engine(model, tokenizer, kv_format=kv, kv_memory=16 << 20)
+    engine = Engine(model, tokenizer, EngineConfig(kv_format=kv, kv_memory=16 << 20))
     engine.add_request(list(range(1, 17)), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     engine.step()  # the prompt
     t0, made = time.perf_counter(), 0

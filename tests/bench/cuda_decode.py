@@ -1,4 +1,4 @@
-"""End-to-end decode speed on CUDA: the default model's shapes, CUDA graphs vs eager, batch buckets, generate.
+"""End-to-end decode on CUDA through the paged engine: prefill, batch-1 and batched decode, greedy replies.
 
     python tests/bench/cuda_decode.py [--model PATH] [--dtype float16] [--prefill 128] [--steps 256]
                                       [--batches 1,4,16] [--reps 3] [--gen-tokens 256] [--out DIR]
@@ -10,17 +10,29 @@ matrix int4-g32 (its GGUF's Q4_1), the tied embedding / LM head int8-g32 (Q8_0) 
 random weights (lowbit.models.synthetic): the GGUF (98 MB) cannot reach every GPU machine, and
 decode speed depends only on shapes and layouts. The output says which one ran.
 
-Measured, medians over --reps interleaved repetitions, wall clock around device-synchronized calls:
-- prefill: --prefill tokens in one forward, batch 1 and batch max(--batches) (ms, tok/s).
-- (a) batch-1 decode steps/s, --steps steps after the prefill: GraphedDecode replaying CUDA graphs
-  vs GraphedDecode(use_graphs=False) (same model, cache and buffers; eager launches). Each step's
-  argmax is fed back on the device: no host sync inside the loop.
-- (b) aggregate tok/s (B x steps / seconds) for each B in --batches, CUDA graphs (eager off CUDA).
-- (c) with --model (a tokenizer): generate() of --gen-tokens greedy tokens, verify_greedy False and
-  True; decode tok/s and TTFT as GenerationResult reports them.
---budget-s: no measurement starts after that many seconds; skipped ones are listed, exit status 3.
---smoke: a 2-layer dim-64 vocab-256 model, 8-token prefill, 4 steps, batches 1 and 2, one rep, and
-(c) with a byte tokenizer and 8 tokens.
+Everything runs the paged path lowbit serves with (runtime/engine: the runner, the engine, its k8v4
+KV pool). There are no CUDA graphs on that path yet (they will live in the runner), so this script
+no longer compares CUDA graphs with eager launches. Measured, medians over --reps repetitions
+interleaved across the variants of each measurement, wall clock around device-synchronized calls:
+- prefill: --prefill tokens per sequence as one chunk each through `Runner.run` into a fresh k8v4
+  pool (the engine's prefill step less scheduling and sampling; prompt rows exact on CPU, as the
+  engine runs them), batch 1 and batch max(--batches) in one forward each (ms, tok/s).
+- decode: B concurrent greedy requests (ignore_eos) in one Engine (k8v4, max_num_seqs
+  max(--batches)) on random --prefill-token prompts, prefilled untimed, then --steps timed
+  `engine.step()` calls (the sampled token goes to the host every step, as in serving): B = 1
+  (batch-1 decode, always measured) and every B in --batches; tok/s aggregate (tokens / seconds)
+  and ms per step.
+- generate, with a tokenizer (--model, or --smoke's byte tokenizer): one request of --gen-tokens
+  tokens for PROMPT through runtime/cli/run.py's `_engine_run`, as `lowbit run --temperature 0`
+  runs it (verified greedy: an f32 pool and the VERIFIED_GREEDY speculator, the exact model's
+  greedy reply drafted by the fast kernels) and as `--fast-greedy` does (plain greedy, k8v4); decode
+  tok/s and TTFT as its GenerationResult reports them, and verified greedy's draft acceptance.
+Each measurement first runs an untimed warm-up of every form it times (compiles the Triton kernels);
+--compile-only runs only those warm-ups (gpu_check.sh fills Triton's disk cache with it).
+--budget-s: no measurement or repetition starts after that many seconds; skipped ones are listed,
+exit status 3. --smoke: a 2-layer dim-64 vocab-256 model, 8-token prefill, 4 steps, batches 1 and 2,
+one rep, no warm-ups (--compile-only --smoke runs them), and generate with a byte tokenizer, PROMPT's
+first 8 bytes and 8 tokens.
 """
 
 from __future__ import annotations
@@ -32,15 +44,23 @@ import statistics
 import sys
 import time
 import traceback
-from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from lowbit.kernels.triton_import import interpreting, triton
 from lowbit.models.backend import select_backend, triton_backend
 from lowbit.models.config import LlamaConfig
-from lowbit.models.llama import KVCache, Llama
+from lowbit.models.llama import Llama
+from lowbit.quant.kv import parse_kv_format
+from lowbit.runtime.cli.run import _engine_run
+from lowbit.runtime.engine.config import EngineConfig
+from lowbit.runtime.engine.engine import Engine
+from lowbit.runtime.engine.kv_cache import KVPool
+from lowbit.runtime.engine.runner import Chunk, Runner, exact_rows
+from lowbit.runtime.engine.sampler import SamplingParams
+from lowbit.runtime.engine.speculative import VERIFIED_GREEDY
 
 PROMPT = "The history of the city of Rome, from its founding to the fall of the Western Empire, is"
 TINY = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
@@ -48,10 +68,13 @@ TINY = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, he
 SYNTHETIC = ("SYNTHETIC weights (seeded random; SmolLM2-135M-Instruct's shapes and layouts: blocks int4-g32 = "
              "Q4_1, tied embedding/head int8-g32 = Q8_0). Speed depends only on shapes and layouts; "
              "the tokens are meaningless.")
+KV, PAGE = "k8v4", 16  # the engine's default KV format and page size
+VERIFIED_KV = "f32"  # what `lowbit run --temperature 0` pools verified greedy in (runtime/cli/run.py)
+MODES = {"greedy": (KV, None), "verified greedy": (VERIFIED_KV, VERIFIED_GREEDY)}  # generate: name → (kv, spec)
 
 
 class SmokeBytes:
-    """--smoke's tokenizer: one token per byte (vocab 256, no end token), enough to drive generate()."""
+    """--smoke's tokenizer: one token per byte (vocab 256, no end token), enough to drive the engine."""
 
     vocab_size, special_ids, eos_ids = 256, frozenset(), frozenset()
 
@@ -60,6 +83,19 @@ class SmokeBytes:
 
     def token_bytes(self, i: int) -> bytes:
         return bytes([i])
+
+
+class TokenIds:
+    """What the engine needs of a tokenizer, for the synthetic model's decode runs (random prompt
+    ids, no text): every token detokenizes to nothing, none ends a reply."""
+
+    special_ids, eos_ids = frozenset(), frozenset()
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def token_bytes(self, i: int) -> bytes:
+        return b""
 
 
 def sync(device: torch.device) -> None:
@@ -75,28 +111,23 @@ def seconds(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def decode_loop(step, B: int, start: int, n: int, vocab: int, device: torch.device) -> None:
-    """n decode steps of B sequences at positions start.. (cache slots 0..B-1), greedy on the device."""
-    tok = torch.randint(0, vocab, (B,), device=device)
-    pos = torch.full((B,), start, dtype=torch.long, device=device)
-    for _ in range(n):
-        tok = step(tok, pos).argmax(-1)  # [B, V] → [B]
-        pos += 1
+def kv_bytes(kv: str, model, seqs: int, tokens: int) -> int:
+    """A KV budget that holds `seqs` sequences of `tokens` tokens each (whole pages), plus 2 pages."""
+    c = model.config
+    per_token = parse_kv_format(kv).bytes_per_token(c.n_layers, model.kv_heads, c.head_dim)
+    return (seqs * -(-tokens // PAGE) + 2) * PAGE * per_token
 
 
 def build(a, device: torch.device):
-    """(model, config, tokenizer | None, description)."""
+    """(model, tokenizer | None, description)."""
     if a.model:
         try:
             from lowbit.runtime.load.loader import load
         except ImportError as e:
             sys.exit(f"--model needs lowbit.runtime.load.loader and its imports ({e}); pip install gguf platformdirs, "
                      "or carry their wheels in .whl/ for gpu_check.sh")
-        try:
-            lm = load(a.model, "auto", progress=False, device=a.device, dtype=a.dtype)
-        except TypeError as e:
-            sys.exit(f"lowbit.runtime.load.loader.load does not take device/dtype yet: {e}")
-        return lm.model, lm.config, lm.tokenizer, f"{Path(a.model).name} (real weights, GGUF layouts)"
+        lm = load(a.model, "auto", progress=False, device=a.device, dtype=a.dtype)
+        return lm.model, lm.tokenizer, f"{Path(a.model).name} (real weights, GGUF layouts)"
     from lowbit.models.synthetic import SMOLLM2_135M, random_weights
 
     if device.type == "cuda":
@@ -107,14 +138,23 @@ def build(a, device: torch.device):
     with torch.no_grad():
         model = Llama(config, random_weights(config, "int4-g32", "int8-g32", seed=a.seed), backend).eval()
     if a.smoke:
-        return model, config, SmokeBytes(), "SYNTHETIC weights (seeded random; tiny smoke config, byte tokenizer)"
-    return model, config, None, SYNTHETIC
+        return model, SmokeBytes(), "SYNTHETIC weights (seeded random; tiny smoke config, byte tokenizer)"
+    return model, None, SYNTHETIC
 
 
 class Bench:
-    def __init__(self, a, device: torch.device):
-        self.a, self.device, self.t0 = a, device, time.perf_counter()
-        self.res: dict = {"prefill": [], "decode_b1": [], "batches": [], "generate": [], "errors": [], "skipped": []}
+    def __init__(self, a, device: torch.device, model, tokenizer, t0: float):
+        self.a, self.device, self.t0 = a, device, t0  # t0: the run's start (the budget counts the model's build)
+        self.model, self.tokenizer = model, tokenizer
+        self.vocab = model.config.vocab_size if tokenizer is None else min(model.config.vocab_size,
+                                                                          tokenizer.vocab_size)
+        self.decode_sizes = sorted({1} | set(a.batches))
+        self.res: dict = {"prefill": [], "decode": [], "generate": [], "errors": [], "skipped": []}
+        self._engine = None
+        # the warm-ups compile; --smoke (nothing timed for real) skips them, --compile-only runs only them
+        self.warm = a.compile_only or not a.smoke
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
 
     def left_s(self) -> float:
         return float("inf") if not self.a.budget_s else self.a.budget_s - (time.perf_counter() - self.t0)
@@ -141,103 +181,188 @@ class Bench:
             (out / "cuda_decode.json").write_text(json.dumps(self.res, indent=1, default=str))
             (out / "cuda_decode.md").write_text(markdown(self.res))
 
-    def median(self, fn) -> tuple[float, list[float]]:
-        samples = [fn() for _ in range(self.a.reps)]
-        return statistics.median(samples), [round(s, 3) for s in samples]
+    def interleaved(self, name: str, runs: dict) -> dict:
+        """--reps rounds of every run in turn (so the variants share the machine's noise) → each
+        run's samples. A round is not started once the budget is spent."""
+        samples = {k: [] for k in runs}
+        for r in range(self.a.reps):
+            if r and self.left_s() <= 0:
+                self.res["skipped"].append(f"{name}: reps {r + 1}-{self.a.reps} of {self.a.reps}")
+                print(f"{name}: reps {r + 1}-{self.a.reps} skipped, time budget spent", flush=True)
+                break
+            for k, run in runs.items():
+                samples[k].append(run())
+        return samples
 
-    def prefill(self, model, cache: KVCache, prompt: torch.Tensor) -> None:
-        for B in sorted({1, prompt.shape[0]}):
-            call = partial(model, prompt[:B], cache.rows(B), 0, last_only=True)
-            call()  # compiles; the largest batch also fills every cache slot the decode reads
-            ms, samples = self.median(lambda call=call: 1e3 * seconds(call, self.device))
-            T = prompt.shape[1]
-            self.res["prefill"].append({"B": B, "tokens": T, "ms": ms, "tok_s": B * T / ms * 1e3, "samples_ms": samples})
+    # ---- prefill: the runner, a fresh pool ---------------------------------------------------
+
+    def prefill_call(self, B: int):
+        """→ a call that prefills B random sequences of --prefill tokens, one chunk each, into a fresh
+        k8v4 pool (allocated here, outside the call)."""
+        m, T = self.model, self.a.prefill
+        c, n = m.config, -(-T // PAGE)
+        pool = KVPool(parse_kv_format(KV), c.n_layers, m.kv_heads, c.head_dim, B * n, PAGE, m.device)
+        g = torch.Generator().manual_seed(self.a.seed)
+        exact = T if m.backend.name == "torch" else 0  # the engine's prompt rows (Engine._chunk)
+        chunks = []
+        for b in range(B):
+            pages = list(range(b * n, (b + 1) * n))
+            chunks.append(Chunk(torch.randint(0, self.vocab, (T,), generator=g).tolist(), 0,
+                                [pages[i // PAGE] * PAGE + i % PAGE for i in range(T)], pages, exact=exact))
+        runner = Runner(m, pool)
+        rows = exact_rows(chunks, m.device)
+        return lambda: runner.run(chunks, rows)
+
+    def prefill(self, warm_only: bool = False) -> None:
+        calls = {B: self.prefill_call(B) for B in sorted({1, max(self.a.batches)})}
+        if self.warm:
+            for call in calls.values():
+                call()  # warm-up: compiles
+        if warm_only:
+            return
+        samples = self.interleaved("prefill", {B: (lambda call=call: 1e3 * seconds(call, self.device))
+                                               for B, call in calls.items()})
+        T = self.a.prefill
+        for B, s in samples.items():
+            ms = statistics.median(s)
+            self.res["prefill"].append({"B": B, "tokens": T, "ms": ms, "tok_s": B * T / ms * 1e3,
+                                        "samples_ms": [round(x, 3) for x in s]})
             print(f"prefill B={B} T={T}: {ms:.2f} ms ({B * T / ms * 1e3:.0f} tok/s)", flush=True)
 
-    def decode_b1(self, paths: dict) -> None:
-        a, V = self.a, self.vocab
-        runs = {name: partial(decode_loop, step, 1, a.prefill, a.steps, V, self.device) for name, step in paths.items()}
-        for step in paths.values():
-            decode_loop(step, 1, a.prefill, 2, V, self.device)  # compile / capture
-        samples: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(a.reps):  # interleaved, so both paths share the machine's noise
-            for name, run in runs.items():
-                samples[name].append(a.steps / seconds(run, self.device))
-        for name, s in samples.items():
-            med = statistics.median(s)
-            self.res["decode_b1"].append({"path": name, "steps_s": med, "ms_per_step": 1e3 / med,
-                                          "samples": [round(x, 1) for x in s]})
-            print(f"decode B=1 {name}: {med:.1f} steps/s ({1e3 / med:.3f} ms/step)", flush=True)
+    # ---- decode: engine steps ----------------------------------------------------------------
 
-    def batch(self, step, path: str, B: int) -> None:
+    def engine(self) -> Engine:
+        """One engine for every decode run: k8v4, room for max(B) sequences of prompt + steps with
+        slack, prefix caching off (the prompts are random; no earlier run's pages wait to be evicted)."""
+        if self._engine is None:
+            a, B = self.a, max(self.decode_sizes)
+            config = EngineConfig(kv_format=KV, kv_memory=kv_bytes(KV, self.model, B, 2 * a.prefill + a.steps + 32),
+                                  page_size=PAGE, max_num_seqs=B, prefix_caching=False)
+            self._engine = Engine(self.model, self.tokenizer or TokenIds(self.vocab), config)
+        return self._engine
+
+    def decode_run(self, B: int, steps: int, seed: int) -> dict:
+        """B requests prefilled untimed, then `steps` timed engine steps → tok/s, ms/step."""
+        a, engine = self.a, self.engine()
+        g = torch.Generator().manual_seed(seed)
+        # more tokens than the timed steps: a request that started decoding while others still
+        # prefilled keeps decoding through every timed step; the rest is aborted afterwards
+        params = SamplingParams(temperature=0, max_tokens=steps + a.prefill + 16, ignore_eos=True)
+        for _ in range(B):
+            engine.add_request(torch.randint(0, self.vocab, (a.prefill,), generator=g).tolist(), params)
+        sched = engine.scheduler
+        while sched.waiting or any(s.num_tokens - s.num_computed > 1 for s in sched.running):
+            engine.step()  # every prompt prefilled (and its first token chosen)
+        if len(sched.running) != B:
+            raise RuntimeError(f"{len(sched.running)} of {B} requests running after the prefill")
+        context = sched.running[0].num_tokens
+        made = 0
+
+        def run():
+            nonlocal made
+            for _ in range(steps):
+                made += sum(len(d.token_ids) for d in engine.step())
+
+        dt = seconds(run, self.device)
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        if made != B * steps:
+            raise RuntimeError(f"{made} tokens from {steps} steps of {B} requests, expected {B * steps}")
+        return {"tok_s": made / dt, "ms_per_step": 1e3 * dt / steps, "context": context}
+
+    def decode(self, warm_only: bool = False) -> None:
         a = self.a
-        decode_loop(step, B, a.prefill, 2, self.vocab, self.device)  # compile / capture this bucket
-        run = partial(decode_loop, step, B, a.prefill, a.steps, self.vocab, self.device)
-        tok_s, samples = self.median(lambda: B * a.steps / seconds(run, self.device))
-        self.res["batches"].append({"B": B, "path": path, "tok_s": tok_s, "steps_s": tok_s / B,
-                                    "ms_per_step": 1e3 * B / tok_s, "samples": samples})
-        print(f"decode B={B} {path}: {tok_s:.1f} tok/s aggregate ({1e3 * B / tok_s:.3f} ms/step)", flush=True)
+        if self.warm:
+            for B in self.decode_sizes:
+                self.decode_run(B, 2, a.seed)  # warm-up: compiles every step shape of this B
+        if warm_only:
+            return
+        rounds = iter(range(1, 1 << 30))  # a fresh seed per run: no two runs share a prompt
+        samples = self.interleaved("decode", {B: (lambda B=B: self.decode_run(B, a.steps, a.seed + next(rounds)))
+                                              for B in self.decode_sizes})
+        for B, s in samples.items():
+            tok_s = statistics.median(x["tok_s"] for x in s)
+            self.res["decode"].append({"B": B, "steps": a.steps, "tok_s": tok_s, "steps_s": tok_s / B,
+                                       "ms_per_step": 1e3 * B / tok_s, "context_start": s[0]["context"],
+                                       "samples_tok_s": [round(x["tok_s"], 1) for x in s]})
+            what = "" if B == 1 else " aggregate"
+            print(f"decode B={B}: {tok_s:.1f} tok/s{what} ({1e3 * B / tok_s:.3f} ms/step)", flush=True)
+        if self._engine is not None:
+            self.res["decode_preemptions"] = self._engine.stats()["preemptions"]
 
-    def generate(self, model, tokenizer, verify: bool) -> None:
-        from lowbit.runtime.engine.generate import generate
-        from lowbit.runtime.engine.sampler import Sampler, SamplingParams
+    # ---- generate: one request as `lowbit run` runs it ---------------------------------------
 
-        ids = tokenizer.encode(PROMPT)
-        run = partial(generate, model, tokenizer, ids, sampler=Sampler(SamplingParams(temperature=0)),
-                      verify_greedy=verify)
-        run(max_tokens=16)  # warm-up: compiles and captures
-        rs = [run(max_tokens=self.a.gen_tokens) for _ in range(self.a.reps)]
-        tps = statistics.median(r.decode_tok_s for r in rs)
-        ttft = statistics.median(r.ttft_s for r in rs)
-        self.res["generate"].append({"verify_greedy": verify, "decode_tok_s": tps, "ttft_ms": 1e3 * ttft,
-                                     "tokens": [len(r.token_ids) for r in rs], "finish": rs[0].finish_reason,
-                                     "prompt_tokens": len(ids)})
-        print(f"generate verify_greedy={verify}: {tps:.1f} tok/s, TTFT {1e3 * ttft:.1f} ms, "
-              f"{[len(r.token_ids) for r in rs]} tokens", flush=True)
+    def generate_run(self, mode: str, ids: list[int], n: int):
+        kv, spec = MODES[mode]
+        config = EngineConfig(kv_format=kv, kv_memory=kv_bytes(kv, self.model, 1, len(ids) + n + 32),
+                              page_size=PAGE, speculative=spec)
+        lm_like = SimpleNamespace(model=self.model, tokenizer=self.tokenizer)
+        sync(self.device)
+        res, stats = _engine_run(lm_like, ids, SamplingParams(temperature=0, max_tokens=n), config, lambda text: None)
+        sync(self.device)
+        return res, stats
 
+    def generate(self, warm_only: bool = False) -> None:
+        ids = self.tokenizer.encode(PROMPT[:8] if self.a.smoke else PROMPT)
+        if self.warm:
+            for mode in MODES:  # warm-up: compiles (16 tokens: verified greedy's full 15 drafts once)
+                self.generate_run(mode, ids, min(16, self.a.gen_tokens))
+        if warm_only:
+            return
+        samples = self.interleaved("generate", {mode: (lambda mode=mode: self.generate_run(mode, ids,
+                                                                                           self.a.gen_tokens))
+                                                for mode in MODES})
+        for mode, runs in samples.items():
+            rs = [r for r, _ in runs]
+            tps = statistics.median(r.decode_tok_s for r in rs)
+            ttft = statistics.median(r.ttft_s for r in rs)
+            row = {"mode": mode, "kv": MODES[mode][0], "decode_tok_s": tps, "ttft_ms": 1e3 * ttft,
+                   "tokens": [len(r.token_ids) for r in rs], "finish": rs[0].finish_reason, "prompt_tokens": len(ids),
+                   "samples_tok_s": [round(r.decode_tok_s, 1) for r in rs]}
+            spec = [s for _, s in runs if s is not None]
+            extra = ""
+            if MODES[mode][1] is not None:
+                drafted, accepted = sum(s.drafted for s in spec), sum(s.accepted for s in spec)
+                row |= {"drafted": drafted, "accepted": accepted}
+                extra = f", {accepted}/{drafted} drafts accepted" if drafted else ", no drafts"
+            self.res["generate"].append(row)
+            print(f"generate {mode} (kv {MODES[mode][0]}): {tps:.1f} tok/s, TTFT {1e3 * ttft:.1f} ms, "
+                  f"{row['tokens']} tokens{extra}", flush=True)
 
-def compile_only(a, model, cache: KVCache, prompt: torch.Tensor, eager, batches, tokenizer) -> int:
-    """Every launch shape of a later run once: prefills, one eager decode step per bucket, a short
-    generate per mode (the same kernels the graphs capture; the graphs themselves are not cached)."""
-    t0 = time.perf_counter()
-    for B in sorted({1, prompt.shape[0]}):
-        model(prompt[:B], cache.rows(B), 0, last_only=True)
-    for B in batches:
-        decode_loop(eager, B, a.prefill, 1, model.config.vocab_size, prompt.device)
-    if tokenizer is not None:
-        from lowbit.runtime.engine.generate import generate
-        from lowbit.runtime.engine.sampler import Sampler, SamplingParams
-
-        for verify in (False, True):
-            generate(model, tokenizer, tokenizer.encode(PROMPT), 4, Sampler(SamplingParams(temperature=0)),
-                     verify_greedy=verify)
-    sync(prompt.device)
-    print(f"compiled in {time.perf_counter() - t0:.1f} s", flush=True)
-    return 0
+    def measurements(self) -> dict:
+        """name → measurement (each takes warm_only)."""
+        out = {"prefill": self.prefill, "decode": self.decode}
+        if self.tokenizer is not None:
+            out["generate"] = self.generate
+        return out
 
 
 def markdown(res: dict) -> str:
     m = res["meta"]
-    lines = [f"# lowbit decode, {m['device']}", "", f"**Weights: {m['weights']}**", "",
-             (f"torch {m['torch']}, triton {m['triton']}, activations {m['dtype']}; config {m['config']}; "
-              f"prefill {m['prefill']} tokens, {m['steps']} decode steps, median of {m['reps']} reps."), "",
-             "## Prefill", "", "| B | tokens | ms | tok/s |", "|---:|---:|---:|---:|"]
-    lines += [f"| {r['B']} | {r['tokens']} | {r['ms']:.2f} | {r['tok_s']:.0f} |" for r in res["prefill"]]
-    lines += ["", "## (a) Batch-1 decode", "", "| path | steps/s | ms/step | samples |", "|---|---:|---:|---|"]
-    lines += [f"| {r['path']} | {r['steps_s']:.1f} | {r['ms_per_step']:.3f} | {r['samples']} |" for r in res["decode_b1"]]
-    if res.get("graphs_vs_eager"):
-        lines += ["", f"CUDA graphs vs eager: {res['graphs_vs_eager']:.2f}x"]
-    lines += ["", "## (b) Batch buckets", "", "| B | path | tok/s (aggregate) | ms/step | samples |",
-              "|---:|---|---:|---:|---|"]
-    lines += [f"| {r['B']} | {r['path']} | {r['tok_s']:.1f} | {r['ms_per_step']:.3f} | {r['samples']} |"
-              for r in res["batches"]]
-    lines += ["", "## (c) generate", ""]
+    lines = [f"# lowbit decode (paged engine), {m['device']}", "", f"**Weights: {m['weights']}**", "",
+             (f"torch {m['torch']}, triton {m['triton']}, backend {m['backend']}, activations {m['dtype']}; "
+              f"config {m['config']}; KV {KV} (verified greedy: {VERIFIED_KV}), page {PAGE}; prefill {m['prefill']} "
+              f"tokens, {m['steps']} decode steps, median of {m['reps']} interleaved reps. No CUDA graphs "
+              "(the paged path has none yet)."), "",
+             "## Prefill (runner, fresh pool)", "", "| B | tokens | ms | tok/s | samples ms |",
+             "|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['B']} | {r['tokens']} | {r['ms']:.2f} | {r['tok_s']:.0f} | {r['samples_ms']} |"
+              for r in res["prefill"]]
+    lines += ["", "## Decode (engine steps, B concurrent greedy requests)", "",
+              "| B | tok/s (aggregate) | ms/step | context at start | samples tok/s |", "|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['B']} | {r['tok_s']:.1f} | {r['ms_per_step']:.3f} | {r['context_start']} | "
+              f"{r['samples_tok_s']} |" for r in res["decode"]]
+    if res.get("decode_preemptions"):
+        lines += ["", f"Preemptions during the decode runs: {res['decode_preemptions']} (the pool was short)."]
+    lines += ["", "## Generate (`_engine_run`, one request)", ""]
     if res["generate"]:
-        lines += ["| verify_greedy | decode tok/s | TTFT ms | tokens | finish |", "|---|---:|---:|---|---|"]
-        lines += [f"| {r['verify_greedy']} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.1f} | {r['tokens']} | "
-                  f"{r['finish']} |" for r in res["generate"]]
+        lines += ["| mode | kv | decode tok/s | TTFT ms | tokens | finish | drafts accepted |",
+                  "|---|---|---:|---:|---|---|---|"]
+        lines += [f"| {r['mode']} | {r['kv']} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.1f} | {r['tokens']} | "
+                  f"{r['finish']} | {'%d/%d' % (r['accepted'], r['drafted']) if 'drafted' in r else '-'} |"
+                  for r in res["generate"]]
     else:
-        lines += ["Not run: needs a tokenizer, i.e. --model PATH."]
+        lines += ["Not run: needs a tokenizer, i.e. --model PATH (or --smoke)."]
     for key in ("errors", "skipped"):
         if res[key]:
             lines += ["", f"## {key.capitalize()}", ""] + [f"- {e}" for e in res[key]]
@@ -252,13 +377,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"], help="CUDA activations")
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--steps", type=int, default=256)
-    ap.add_argument("--batches", default="1,4,16", help="batch buckets for (b), comma list")
+    ap.add_argument("--batches", default="1,4,16", help="concurrent requests for the decode, comma list")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gen-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this (0: none)")
     ap.add_argument("--out", help="directory for cuda_decode.md and cuda_decode.json")
-    ap.add_argument("--compile-only", action="store_true", help="run each launch shape once (Triton's cache); no timing")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="run each measurement's untimed warm-up only (fills Triton's cache); no timing")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps: code paths only")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: unwind, so the outputs get written
@@ -269,55 +395,44 @@ def main(argv=None) -> int:
         sys.exit("--device cuda, but torch sees no CUDA GPU (CPU smoke: TRITON_INTERPRET=1 ... --smoke --device cpu)")
     if interpreting() and a.dtype == "bfloat16":
         sys.exit("Triton's interpreter computes bf16 tl.dot wrongly (tests/conftest.py); use --dtype float16")
-    batches = sorted({int(b) for b in a.batches.split(",") if b})
+    a.batches = sorted({int(b) for b in a.batches.split(",") if b})
+    if not a.batches or a.batches[0] < 1 or a.prefill < 1 or a.steps < 1 or a.reps < 1 or a.gen_tokens < 1:
+        sys.exit("--batches, --prefill, --steps, --reps and --gen-tokens must be >= 1")
     torch.manual_seed(a.seed)
 
-    b = Bench(a, device)
-    t0 = time.perf_counter()
-    model, config, tokenizer, weights = build(a, device)
+    t_start = t0 = time.perf_counter()
+    model, tokenizer, weights = build(a, device)
     print(f"model built in {time.perf_counter() - t0:.1f} s. {weights}", flush=True)
-    b.vocab = config.vocab_size
+    c = model.config
+    if 2 * a.prefill + a.steps + 16 > c.max_seq_len:
+        sys.exit(f"--prefill {a.prefill} and --steps {a.steps} need a context of {2 * a.prefill + a.steps + 16}; "
+                 f"the model's is {c.max_seq_len}")
+    b = Bench(a, device, model, tokenizer, t_start)
     res = b.res
     res["meta"] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
                    f"cpu ({'Triton interpreter' if interpreting() else 'torch kernels'})",
                    "torch": torch.__version__, "triton": getattr(triton, "__version__", "-"), "dtype": a.dtype,
                    "weights": weights, "synthetic": not a.model, "prefill": a.prefill, "steps": a.steps,
-                   "reps": a.reps, "smoke": a.smoke, "backend": model.backend.name,
-                   "config": {k: getattr(config, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                                                              "hidden_dim", "vocab_size", "tie_embeddings")}}
-    try:
-        from lowbit.runtime.engine.cuda_graphs import GraphedDecode
-    except ImportError as e:
-        GraphedDecode = None
-        res["errors"].append(f"lowbit.runtime.engine.cuda_graphs: {e} (eager steps call model.decode directly)")
+                   "batches": a.batches, "reps": a.reps, "gen_tokens": a.gen_tokens, "smoke": a.smoke,
+                   "backend": model.backend.name, "kv": KV, "page_size": PAGE, "cuda_graphs": False,
+                   "config": {k: getattr(c, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                                                         "hidden_dim", "vocab_size", "tie_embeddings")}}
 
-    with torch.inference_mode():
-        cache = KVCache.empty(config, max(batches), a.prefill + a.steps, device)
-        prompt = torch.randint(0, config.vocab_size, (max(batches), a.prefill), generator=torch.Generator().manual_seed(a.seed))
-        if not a.compile_only:
-            b.attempt("prefill", partial(b.prefill, model, cache, prompt.to(device)))
-        eager, graphed = (lambda t, p: model.decode(t, p, cache.rows(t.shape[0]))), None
-        try:
-            if GraphedDecode is not None:
-                eager = GraphedDecode(model, cache, buckets=tuple(batches), use_graphs=False)
-                if device.type == "cuda":
-                    graphed = GraphedDecode(model, cache, buckets=tuple(batches), use_graphs=True)
-        except Exception as e:  # noqa: BLE001 - an API drift is one error line; eager still measures
-            res["errors"].append(f"GraphedDecode: {type(e).__name__}: {e} (eager steps call model.decode directly)")
-        paths = {"eager": eager} | ({"cuda graphs": graphed} if graphed is not None else {})
-        if a.compile_only:  # fill Triton's disk cache for a later run (gpu_check.sh runs this beside pytest)
-            return compile_only(a, model, cache, prompt.to(device), eager, batches, tokenizer)
-        b.attempt("decode B=1", partial(b.decode_b1, paths))
-        d = {r["path"]: r["steps_s"] for r in res["decode_b1"]}
-        if len(d) == 2:
-            res["graphs_vs_eager"] = d["cuda graphs"] / d["eager"]
-            print(f"CUDA graphs vs eager at B=1: {res['graphs_vs_eager']:.2f}x", flush=True)
-        for B in batches:
-            path = "cuda graphs" if graphed is not None else "eager"
-            b.attempt(f"decode B={B}", partial(b.batch, graphed or eager, path, B))
-        if tokenizer is not None:
-            for verify in (False, True):
-                b.attempt(f"generate verify_greedy={verify}", partial(b.generate, model, tokenizer, verify))
+    if a.compile_only:  # fill Triton's disk cache for a later run (gpu_check.sh runs this beside pytest)
+        t0, failed = time.perf_counter(), 0
+        for name, measure in b.measurements().items():
+            try:
+                measure(warm_only=True)
+            except Exception as e:  # noqa: BLE001 - warm what can be warmed
+                traceback.print_exc()
+                print(f"ERROR compile {name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                failed = 1
+        sync(device)
+        print(f"compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+        return failed
+
+    for name, measure in b.measurements().items():
+        b.attempt(name, measure)
     b.write()
     print(f"\n{weights}\n{res['meta']['device']}, {time.perf_counter() - b.t0:.0f} s"
           + ("; SMOKE RUN: code paths only, the speeds are not measurements" if a.smoke else ""))

@@ -11,24 +11,24 @@ samples are reported. Timings are wall clock (time.perf_counter) around the call
 engines' own counters.
 
 - prefill: the first 512 tokens of --text (lowbit's tokenizer, no special tokens) in one call, last
-  logits only. lowbit: model(ids, fresh KVCache, 0, last_only=True) (default path: exact for 16+
-  tokens). llama.cpp: reset(); eval(ids) — reset sets n_tokens = 0, so eval drops the whole KV
-  cache and decodes all 512 tokens again in one llama_decode (n_batch = n_ubatch = 512).
+  logits only. lowbit: one chunk of 512 through the runner into a fresh k8v4 pool, as the engine
+  prefills a prompt (exact path for prompt tokens). llama.cpp: reset(); eval(ids) — reset sets
+  n_tokens = 0, so eval drops the whole KV cache and decodes all 512 tokens again in one llama_decode
+  (n_batch = n_ubatch = 512).
   tok/s = 512 / seconds.
 - decode, engine: what `lowbit run --fast-greedy`, `serve` and `chat` decode with — one greedy
   request through lowbit's engine (paged k8v4 KV cache, every step one C call over the pool), its
   prompt (--prompt, lowbit's tokenizer; same ids for both) prefilled untimed, then --decode-tokens
   steps, end tokens ignored; tok/s = tokens / seconds of those steps. llama.cpp: eval([tok]) and
   argmax of llama_get_logits_ith(ctx, -1) per token (its f16 cache), tok/s = tokens / loop seconds.
-- decode, contiguous: the same single-token steps through lowbit's contiguous fp32 cache
-  (model(..., exact=False): `lowbit run`'s verified greedy drafts with it).
-- decode, torch only: the contiguous loop with the C kernels hidden, so every matmul takes the
+- decode, torch only: the engine loop with the C kernels hidden, so every matmul takes the
   plain-torch exact path (what runs where no C compiler is found; "ratio" is against llama.cpp as
   in every row); --torch-tokens steps (default 16: each dequantizes every weight, ~0.4 s).
-- decode verified greedy: lowbit.runtime.engine.generate.generate(..., temperature 0, verify_greedy=True),
-  the exact model's greedy reply drafted by the fused kernels; tok/s = its decode_tok_s (tokens
-  after the first / first-to-last seconds; stops early at an end token, tokens reported). Its
-  llama.cpp column is the same plain greedy decode as the row above (llama.cpp has no verify step).
+- decode verified greedy: what `lowbit run --temperature 0` runs (runtime/cli/run.py): the engine
+  with an f32 pool and the verifying speculator, the exact model's greedy reply drafted by the fast
+  kernels; tok/s = its decode_tok_s (tokens after the first / first-to-last seconds; stops early at
+  an end token, tokens reported). Its llama.cpp column is the same plain greedy decode as the engine
+  row (llama.cpp has no verify step).
 """
 
 from __future__ import annotations
@@ -66,26 +66,20 @@ def timed(fn) -> float:
 
 
 def lowbit_prefill(lm, ids):
-    from lowbit.models.llama import KVCache
-    with torch.inference_mode():
-        lm.model(torch.tensor([ids]), KVCache.empty(lm.config, 1, PREFILL), 0, last_only=True)
-
-
-def lowbit_decode(lm, prompt, n) -> float:
-    from lowbit.models.llama import KVCache
-    with torch.inference_mode():
-        cache = KVCache.empty(lm.config, 1, len(prompt) + n + 1)
-        tok = int(lm.model(torch.tensor([prompt]), cache, 0, last_only=True)[0, -1].argmax())
-        t0 = time.perf_counter()
-        for pos in range(len(prompt), len(prompt) + n):
-            tok = int(lm.model(torch.tensor([[tok]]), cache, pos, exact=False)[0, -1].argmax())
-        return n / (time.perf_counter() - t0)
+    from lowbit.quant.kv import KV_FORMATS
+    from lowbit.runtime.engine.kv_cache import KVPool
+    from lowbit.runtime.engine.runner import Chunk, Runner
+    c, page = lm.config, 16
+    pages = list(range(-(-len(ids) // page)))
+    pool = KVPool(KV_FORMATS["k8v4"], c.n_layers, c.n_kv_heads, c.head_dim, num_pages=len(pages), page_size=page)
+    Runner(lm.model, pool).run([Chunk(list(ids), 0, list(range(len(ids))), pages)], None)
 
 
 def lowbit_engine_decode(lm, prompt, n) -> float:
+    from lowbit.runtime.engine.config import EngineConfig
     from lowbit.runtime.engine.engine import Engine
     from lowbit.runtime.engine.sampler import SamplingParams
-    engine = Engine(lm.model, lm.tokenizer, kv_memory=64 << 20)
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(kv_memory=64 << 20))
     engine.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
     engine.step()  # the prompt (and the first token)
     t0, made = time.perf_counter(), 0
@@ -95,20 +89,25 @@ def lowbit_engine_decode(lm, prompt, n) -> float:
 
 
 def lowbit_decode_torch_kernels(lm, prompt, n) -> float:
-    """lowbit_decode with the C kernels hidden: the plain-torch exact path and small ops."""
+    """lowbit_engine_decode with the C kernels hidden: the plain-torch exact path and small ops."""
     from lowbit.kernels import cpu_native
     saved = cpu_native.native
     cpu_native.native = lambda: None
     try:
-        return lowbit_decode(lm, prompt, n)
+        return lowbit_engine_decode(lm, prompt, n)
     finally:
         cpu_native.native = saved
 
 
 def lowbit_verified(lm, prompt, n) -> tuple[float, int]:
-    from lowbit.runtime.engine.generate import generate
-    from lowbit.runtime.engine.sampler import Sampler, SamplingParams
-    r = generate(lm.model, lm.tokenizer, prompt, n, Sampler(SamplingParams(temperature=0)), verify_greedy=True)
+    import dataclasses
+
+    from lowbit.runtime.cli.run import _engine_run
+    from lowbit.runtime.engine.config import EngineConfig
+    from lowbit.runtime.engine.sampler import SamplingParams
+    from lowbit.runtime.engine.speculative import VERIFIED_GREEDY
+    config = dataclasses.replace(EngineConfig(), kv_format="f32", speculative=VERIFIED_GREEDY)
+    r, _ = _engine_run(lm, list(prompt), SamplingParams(temperature=0, max_tokens=n), config, lambda text: None)
     return r.decode_tok_s, len(r.token_ids)
 
 
@@ -167,16 +166,15 @@ def main(argv=None) -> int:
     load_llama = time.perf_counter() - t0
 
     # warm-up (one-time allocations, kernel selection), not reported
-    lowbit_prefill(lm, ids), lowbit_decode(lm, prompt, 4), lowbit_engine_decode(lm, prompt, 4)
+    lowbit_prefill(lm, ids), lowbit_engine_decode(lm, prompt, 4), lowbit_verified(lm, prompt, 4)
     llama_prefill(llm, ids), llama_decode(llm, prompt, 4)
 
-    s = {k: [] for k in ("prefill_lowbit", "prefill_llama", "decode_engine", "decode_lowbit", "decode_lowbit_torch",
-                         "decode_llama", "verified_lowbit")}
+    s = {k: [] for k in ("prefill_lowbit", "prefill_llama", "decode_engine", "decode_lowbit_torch", "decode_llama",
+                         "verified_lowbit")}
     verified_tokens = []
     for _ in range(a.reps):
         s["prefill_lowbit"].append(PREFILL / timed(lambda: lowbit_prefill(lm, ids)))
         s["decode_engine"].append(lowbit_engine_decode(lm, prompt, n))
-        s["decode_lowbit"].append(lowbit_decode(lm, prompt, n))
         s["decode_lowbit_torch"].append(lowbit_decode_torch_kernels(lm, prompt, a.torch_tokens))
         tps, got = lowbit_verified(lm, prompt, n)
         s["verified_lowbit"].append(tps)
@@ -187,7 +185,6 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) for k, v in s.items()}
     rows = [("prefill 512 tok (tok/s)", "prefill_lowbit", "prefill_llama"),
             ("decode, engine (tok/s)", "decode_engine", "decode_llama"),
-            ("decode, contiguous", "decode_lowbit", "decode_llama"),
             ("decode, torch only", "decode_lowbit_torch", "decode_llama"),
             ("decode verified greedy", "verified_lowbit", "decode_llama")]
     out = {

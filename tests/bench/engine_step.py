@@ -33,6 +33,7 @@ from decode_prefill import cpu_name  # noqa: E402
 
 from lowbit.kernels import cpu_native  # noqa: E402
 from lowbit.models import attention  # noqa: E402
+from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.engine import Engine  # noqa: E402
 from lowbit.runtime.load.loader import load  # noqa: E402
 from lowbit.runtime.engine.sampler import SamplingParams  # noqa: E402
@@ -64,7 +65,7 @@ def main() -> None:
     if args.attention:
         modes.append((f"{best.isa}, gathered + SDPA", best, False))
     lm = load(args.model, progress=False)
-    engine = Engine(lm.model, lm.tokenizer, kv_format="k8v4", kv_memory=256 << 20)
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(kv_format="k8v4", kv_memory=256 << 20))
     half = args.streams // 2
     prompts = grounded_prompts(args.streams - half) + [OPEN_ENDED[i % len(OPEN_ENDED)] for i in range(half)]
     for p in prompts:

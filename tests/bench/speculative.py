@@ -33,6 +33,7 @@ import time
 import torch
 
 from lowbit.runtime.bench.client import DEFAULT_TEXT
+from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.engine import Engine
 from lowbit.runtime.load.loader import load
 from lowbit.runtime.engine.sampler import SamplingParams
@@ -94,7 +95,7 @@ def main() -> None:
         if target != "auto":
             draft = load(str(lm.path), "int4-g128", progress=False).model
             modes["self-draft int4-g128"] = (SpecConfig.parse(f"draft=self:int4-g128,k={args.k}"), draft)
-        engines = {m: Engine(lm.model, lm.tokenizer, kv_format="k8v4", kv_memory=64 << 20, speculative=s,
+        engines = {m: Engine(lm.model, lm.tokenizer, EngineConfig(kv_format="k8v4", kv_memory=64 << 20, speculative=s),
                              draft_model=d) for m, (s, d) in modes.items()}
         for set_name, prompts in sets.items():
             got = {m: [] for m in modes}

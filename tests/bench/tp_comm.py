@@ -83,10 +83,11 @@ def calibrate(world: int, d: int) -> float:
 
 def run(model, tok, ids, n, on_step=None) -> tuple[list[float], list[int]]:
     """One greedy request through the engine → (wall time of each step, tokens it emitted)."""
+    from lowbit.runtime.engine.config import EngineConfig
     from lowbit.runtime.engine.engine import Engine
     from lowbit.runtime.engine.sampler import SamplingParams
 
-    engine = Engine(model, tok, kv_memory=64 << 20)
+    engine = Engine(model, tok, EngineConfig(kv_memory=64 << 20))
     engine.add_request(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     times, out = [], []
     while engine.has_work():

@@ -1,0 +1,34 @@
+"""Every engine default in one frozen record, built once from the command's flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowbit.quant.kv import DEFAULT_KV_FORMAT, parse_kv_format
+
+# 28,137 tokens of the default model in k8v4 (9,540 B/token): a few long chats at once
+DEFAULT_KV_MEMORY = 256 << 20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_format: str = DEFAULT_KV_FORMAT  # quant/kv.py KV_FORMATS
+    kv_memory: int | float = DEFAULT_KV_MEMORY  # bytes, or on CUDA a share (0, 1) of the free GPU memory
+    # tokens per KV page: 16 keeps the last page's waste under 16 tokens per sequence and a page
+    # table short (a 4k context is 256 entries)
+    page_size: int = 16
+    max_num_seqs: int = 16  # most sequences decoded together
+    max_step_tokens: int = 512  # most tokens one step runs (decodes first, then prefill chunks)
+    max_waiting: int = 256  # most queued requests; more answer 429 (scheduler.QueueFull)
+    prefix_caching: bool = True
+    # True: every row exact fp32; False: every row fast; None: on CPU prompt rows exact, generated rows fast
+    exact: bool | None = None
+    max_model_len: int | None = None  # prompt + reply, in tokens (None: the model's context)
+    speculative: object | None = None  # engine/speculative.py SpecConfig
+
+    def __post_init__(self):
+        parse_kv_format(self.kv_format)  # a one-line ValueError for an unknown name
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
