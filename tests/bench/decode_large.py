@@ -13,7 +13,7 @@ kept at Q8_0 as in the default model. Decode speed depends on the shapes and lay
 
 Per file, both engines load it once; each repetition decodes --decode-tokens greedy tokens after the
 same 20-token prompt through lowbit's engine (paged k8v4 cache, what `lowbit run --fast-greedy` and
-`serve` use), through lowbit's contiguous loop, and through llama.cpp (eval per token, argmax);
+`serve` use) and through llama.cpp (eval per token, argmax);
 medians. GB/s = bytes of weights read per token (every weight once: the tensors each engine holds)
 x tok/s; the machine's streaming bandwidth is measured in the same run (torch sum over a 1 GiB
 buffer, the same threads, median of 5).
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_prefill import DEFAULT_PROMPT, cpu_name, llama_decode, lowbit_decode, lowbit_engine_decode  # noqa: E402
+from decode_prefill import DEFAULT_PROMPT, cpu_name, llama_decode, lowbit_engine_decode  # noqa: E402
 
 SHAPE = dict(dim=2048, n_layers=24, n_heads=32, n_kv_heads=32, head_dim=64, hidden=8192, vocab=49152)
 FTYPES = {"Q4_0": 2, "Q4_1": 3}  # llama.h LLAMA_FTYPE_MOSTLY_*
@@ -159,11 +159,10 @@ def main(argv=None) -> int:
         llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + n + 8, n_batch=64, n_threads=a.threads,
                               n_threads_batch=a.threads, verbose=False)
         sizes = {"lowbit": lm.weight_bytes, "llama.cpp": int(llama_cpp.llama_model_size(llm.model))}
-        lowbit_engine_decode(lm, prompt, 2), lowbit_decode(lm, prompt, 2), llama_decode(llm, prompt, 2)  # warm-up
-        s = {"lowbit engine": [], "lowbit contiguous": [], "llama.cpp": []}
+        lowbit_engine_decode(lm, prompt, 2), llama_decode(llm, prompt, 2)  # warm-up
+        s = {"lowbit engine": [], "llama.cpp": []}
         for _ in range(a.reps):
             s["lowbit engine"].append(lowbit_engine_decode(lm, prompt, n))
-            s["lowbit contiguous"].append(lowbit_decode(lm, prompt, n))
             s["llama.cpp"].append(llama_decode(llm, prompt, n))
         med = {k: statistics.median(v) for k, v in s.items()}
         results[q] = {"weight_bytes": sizes, "tok_s": {k: round(v, 2) for k, v in med.items()},

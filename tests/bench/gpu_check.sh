@@ -5,7 +5,7 @@
 #   c. the gpu-marked tests                                        -> pytest_gpu.txt, pytest_gpu.xml
 #      (meanwhile d's and e's kernels compile in the background    -> warm_*.txt)
 #   d. the weight-only matmul microbenchmark + config sweep        -> gpu_kernels.{md,json,txt}
-#   e. end-to-end decode, CUDA graphs vs eager, batch buckets      -> cuda_decode.{md,json,txt}
+#   e. end-to-end decode through the engine, batch sizes, verified greedy -> cuda_decode.{md,json,txt}
 #
 #   bash tests/bench/gpu_check.sh [RESULTS_DIR]        (default: $OUT, else gpu_results)
 #
@@ -89,7 +89,7 @@ install() {
         "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
             export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     fi
-    local check="import lowbit.kernels.wq_mm, lowbit.models.llama, lowbit.runtime.engine.generate"
+    local check="import lowbit.kernels.wq_mm, lowbit.models.llama, lowbit.runtime.engine.engine"
     if PIP_NO_INDEX=1 "$PY" -m pip install --no-deps --no-build-isolation -e . -q && (cd /tmp && "$PY" -c "$check"); then
         echo "installed with pip install -e ."
         return 0
@@ -152,7 +152,7 @@ echo "=== summary ($((SECONDS - START))s) ==="
 {
     grep -hE '^(PASS|MISS|N/A|INCOMPLETE|correctness|FAILED)' "$RESULTS/gpu_kernels.txt" 2>/dev/null
     grep -hE '^sweep ' "$RESULTS/gpu_kernels.txt" 2>/dev/null
-    grep -hE '^(decode B=|CUDA graphs vs eager|generate |prefill |ERROR|INCOMPLETE|SYNTHETIC)' "$RESULTS/cuda_decode.txt" 2>/dev/null
+    grep -hE '^(decode B=|generate |prefill |ERROR|INCOMPLETE|SYNTHETIC)' "$RESULTS/cuda_decode.txt" 2>/dev/null
     tail -n 1 "$RESULTS/pytest_gpu.txt" 2>/dev/null
 } | tee -a "$SUMMARY"
 echo
