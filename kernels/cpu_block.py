@@ -37,17 +37,13 @@ def _linear(w, bias: torch.Tensor | None) -> "cpu_native._Linear | None":
 
 
 class FusedBlock:
-    """A block's descriptor and the tensors it points into (held so the pointers stay valid)."""
+    """A block's descriptor, the tensors it points into (held so the pointers stay valid) and the C
+    kernels that run it."""
 
-    def __init__(self, desc: "cpu_native._Block", held: list):
-        self.desc, self.held = desc, held
+    def __init__(self, desc: "cpu_native._Block", held: list, native: "cpu_native.NativeKernels"):
+        self.desc, self.held, self.native = desc, held, native
         d = desc
         self.dim, self.width = d.dim, (d.n_heads + 2 * d.n_kv_heads) * d.head_dim
-
-    @staticmethod
-    def ready() -> bool:
-        """Whether the C kernels are there now (tests and benchmarks hide them to run torch's)."""
-        return cpu_native.native() is not None
 
     def pre(self, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +56,7 @@ class FusedBlock:
         else:
             residual = torch.empty(M, self.dim)
         qkv = torch.empty(M, self.width)
-        rc = cpu_native.native().block_pre(self.desc, M, delta, residual, has_res, cos, sin, qkv)
+        rc = self.native.block_pre(self.desc, M, delta, residual, has_res, cos, sin, qkv)
         if rc:
             raise RuntimeError(f"cpu fused block (pre) failed with status {rc}")
         return qkv, residual
@@ -71,7 +67,7 @@ class FusedBlock:
         _check("attn", attn, (M, self.desc.n_heads * self.desc.head_dim))
         _check("residual", residual, (M, self.dim))
         delta = torch.empty(M, self.dim)
-        rc = cpu_native.native().block_post(self.desc, M, attn, residual, delta)
+        rc = self.native.block_post(self.desc, M, attn, residual, delta)
         if rc:
             raise RuntimeError(f"cpu fused block (post) failed with status {rc}")
         return delta
@@ -93,11 +89,11 @@ def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
 
 
 def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
-                qkv: tuple, o: tuple, gate_up: tuple, down: tuple) -> FusedBlock | None:
+                qkv: tuple, o: tuple, gate_up: tuple, down: tuple, *, native) -> FusedBlock | None:
     """dims = (dim, n_heads, n_kv_heads, head_dim, hidden); norms fp32 [dim]; each weight a (packed
-    layout, fp32 bias or None) pair, QKV and gate/up already fused along N → a FusedBlock, or None
-    when the C kernels are not built or a weight is in a layout they do not read whole."""
-    if cpu_native.native() is None:
+    layout, fp32 bias or None) pair, QKV and gate/up already fused along N; native: the C kernels →
+    a FusedBlock, or None without them or when a weight is in a layout they do not read whole."""
+    if native is None:
         return None
     dim, H, Hkv, D, hidden = dims
     linears = [_linear(*p) for p in (qkv, o, gate_up, down)]
@@ -110,7 +106,7 @@ def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: tor
     desc = cpu_native._Block(dim, H, Hkv, D, hidden, eps, attn_norm.data_ptr(), ffn_norm.data_ptr(), *linears)
     held = [attn_norm, ffn_norm] + [t for w, b in (qkv, o, gate_up, down) for t in (*vars(w).values(), b)
                                     if isinstance(t, torch.Tensor)]
-    return FusedBlock(desc, held)
+    return FusedBlock(desc, held, native)
 
 
 class FusedLayers:
@@ -119,23 +115,21 @@ class FusedLayers:
     paged decode attention, in the per-block path's order, so the logits are bit-identical to it)."""
 
     def __init__(self, blocks: list[FusedBlock]):
-        self.blocks = blocks
+        self.blocks, self.native = blocks, blocks[0].native
         self.array = (cpu_native._Block * len(blocks))(*[b.desc for b in blocks])  # copies of the descriptors
         self.dim = blocks[0].dim
-        self._sides = None  # (kernels, k sides, v sides, their ctypes arrays) of the pool last stepped over
+        self._sides = None  # (k sides, v sides, their ctypes arrays) of the pool last stepped over
 
-    ready = staticmethod(FusedBlock.ready)
-
-    def _side_arrays(self, kernels, k_sides: list, v_sides: list, D: int):
+    def _side_arrays(self, k_sides: list, v_sides: list, D: int):
         """The pool's per-layer descriptors, built on the first step over a pool and kept while steps
         keep coming over the same one (60 sides took ~0.3 ms a step to describe). A pool hands out one
         KVSide object per layer and side for its lifetime, so the same objects mean the same tensors."""
         held = self._sides
-        if held is None or held[0] is not kernels or len(held[1]) != len(k_sides) or any(
-                a is not b for a, b in zip(held[1] + held[2], k_sides + v_sides)):
-            held = self._sides = (kernels, list(k_sides), list(v_sides), kernels.side_array(k_sides, D),
-                                  kernels.side_array(v_sides, D))
-        return held[3], held[4]
+        if held is None or len(held[0]) != len(k_sides) or any(
+                a is not b for a, b in zip(held[0] + held[1], k_sides + v_sides)):
+            held = self._sides = (list(k_sides), list(v_sides), self.native.side_array(k_sides, D),
+                                  self.native.side_array(v_sides, D))
+        return held[2], held[3]
 
     def decode_paged(self, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                      page_size: int, k_sides: list, v_sides: list, write_rot: torch.Tensor | None,
@@ -151,9 +145,8 @@ class FusedLayers:
                 len(v_sides) == len(self.blocks) and ctx.shape == toff.shape == (M,)):
             raise ValueError(f"cpu fused layers: unsupported paged step of {M} rows")
         residual = torch.empty(M, self.dim)
-        kernels = cpu_native.native()
-        ks, vs = self._side_arrays(kernels, k_sides, v_sides, d.head_dim)
-        rc = kernels.decode_paged_layers(self.array, M, delta, residual, cos, sin, slots, page_size, ks, vs,
+        ks, vs = self._side_arrays(k_sides, v_sides, d.head_dim)
+        rc = self.native.decode_paged_layers(self.array, M, delta, residual, cos, sin, slots, page_size, ks, vs,
                                          write_rot, attn_rot, ctx, tables, toff, window, d.head_dim)
         if rc:
             raise ValueError(f"cpu fused layers (paged) failed with status {rc}")

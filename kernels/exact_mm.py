@@ -26,6 +26,17 @@ MIN_ROWS = 16
 TILE_ELEMS = 1 << 22
 
 
+# The path a matmul takes when its caller leaves the choice open (exact=None): from 16 rows the exact
+# path (the prompt's) is the faster one on CPU, since one dequantization of a weight tile serves
+# every row, and below it the C kernels are.
+EXACT_MIN_ROWS = 16
+
+
+def takes_exact(exact: bool | None, M: int) -> bool:
+    """Whether an M-row matmul takes the exact path: `exact` when given, else from EXACT_MIN_ROWS rows."""
+    return exact if exact is not None else M >= EXACT_MIN_ROWS
+
+
 def _padded(x: torch.Tensor) -> torch.Tensor:
     M = x.shape[0]
     return F.pad(x, (0, 0, 0, MIN_ROWS - M)) if 0 < M < MIN_ROWS else x

@@ -39,10 +39,8 @@ import torch.nn.functional as F
 
 from lowbit.kernels import cpu_native
 from lowbit.kernels.act_quant import BLOCK, act_quant_ref
-from lowbit.kernels.exact_mm import exact_mm, in_tiles
+from lowbit.kernels.exact_mm import exact_mm, in_tiles, takes_exact
 from lowbit.kernels.tile_layout import TILE, pack_tiles, padded_input, unpack_tiles
-
-EXACT_MIN_ROWS = 16
 
 
 @dataclass
@@ -53,6 +51,8 @@ class Int4Packed:
     out_features: int  # N before padding to 16 rows
     in_features: int  # K before padding to a whole group
     padded_in: int  # K padded to a whole group
+    # the C kernels that multiply it (the backend's choice, kernels/cpu_native.py), None: the exact path
+    native: object = field(default=None, repr=False, compare=False)
     desc: object = field(default=None, repr=False, compare=False)  # the C kernels' descriptor, built once
 
     @property
@@ -84,8 +84,9 @@ class Int4Packed:
 
 
 def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
-              in_features: int) -> Int4Packed:
-    """codes uint8 [N, Kp] (0..15), scales/mins fp16 [N, G] → lowbit's tile layout (module docstring)."""
+              in_features: int, *, native) -> Int4Packed:
+    """codes uint8 [N, Kp] (0..15), scales/mins fp16 [N, G] → lowbit's tile layout (module docstring),
+    multiplied by `native` (kernels/cpu_native.py's NativeKernels) or, when None, the exact path."""
     N, Kp = codes.shape
     g = group_size
     if g % BLOCK or Kp % g:
@@ -98,7 +99,7 @@ def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
     parts = [scales] if mins is None else [scales, mins]
     sc = [F.pad(p.half(), (0, 0, 0, Np - N)).view(T, TILE, G).transpose(1, 2).contiguous().view(torch.uint8)
           for p in parts]  # each [T, G, 32]: the 16 rows' fp16 values of one group
-    return Int4Packed(pack_tiles(torch.cat(sc, dim=-1), packed), g, mins is None, N, in_features, Kp)
+    return Int4Packed(pack_tiles(torch.cat(sc, dim=-1), packed), g, mins is None, N, in_features, Kp, native)
 
 
 def dequantize_packed_t(w: Int4Packed, rows: slice = slice(None)) -> torch.Tensor:
@@ -107,8 +108,8 @@ def dequantize_packed_t(w: Int4Packed, rows: slice = slice(None)) -> torch.Tenso
     quant/int4.py's dequantize bit for bit."""
     start, stop, _ = rows.indices(w.padded_shape[0])
     stop = max(start, stop)
-    if w.data.device.type == "cpu" and (kernels := cpu_native.native()) is not None:
-        return kernels.int4_dequant_t(w.c_desc(), start, stop)  # the same numbers, in one C pass
+    if w.native is not None:
+        return w.native.int4_dequant_t(w.c_desc(), start, stop)  # the same numbers, in one C pass
     u, d, m = w.unpack(slice(start // TILE, -(-stop // TILE)))  # the rows' tiles: [n, Kp], [n, G]
     lo = start % TILE
     u, d, m = u[lo:lo + stop - start], d[lo:lo + stop - start], None if m is None else m[lo:lo + stop - start]
@@ -124,15 +125,14 @@ def dequantize_packed_t(w: Int4Packed, rows: slice = slice(None)) -> torch.Tenso
 
 
 def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.Tensor:
-    """x [M, K] (any float dtype) → y fp32 [M, N]: exact when `exact` (default: M >= EXACT_MIN_ROWS)
-    or where the C kernels are not built, else the C kernel's integer path."""
+    """x [M, K] (any float dtype) → y fp32 [M, N]: exact when `exact` (default: from EXACT_MIN_ROWS
+    rows, kernels/exact_mm.py) or when w has no C kernels, else the C kernel's integer path."""
     Np, Kp = w.padded_shape
     x = padded_input("int4_mm", x, w.in_features, Kp)
-    kernels = cpu_native.native()
-    if kernels is None or (exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS) or x.shape[0] == 0:
+    if w.native is None or takes_exact(exact, x.shape[0]) or x.shape[0] == 0:
         y = in_tiles(Np, Kp, lambda a, b: exact_mm(x, dequantize_packed_t(w, slice(a, b))))
     else:
-        y = kernels.linear_mm(x, w.c_desc())
+        y = w.native.linear_mm(x, w.c_desc())
     return y[:, : w.out_features] if Np != w.out_features else y
 
 

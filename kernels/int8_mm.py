@@ -27,8 +27,7 @@ import torch.nn.functional as F
 
 from lowbit.kernels import cpu_native
 from lowbit.kernels.act_quant import BLOCK, act_quant_ref
-from lowbit.kernels.exact_mm import exact_linear, in_tiles
-from lowbit.kernels.int4_mm import EXACT_MIN_ROWS
+from lowbit.kernels.exact_mm import exact_linear, in_tiles, takes_exact
 from lowbit.kernels.tile_layout import TILE, pack_tiles, padded_input, unpack_tiles
 
 @dataclass
@@ -39,6 +38,8 @@ class Int8Packed:
     out_features: int  # N before padding to 16 rows
     in_features: int  # K before padding
     padded_in: int  # K padded to whole groups
+    # the C kernels that multiply it (the backend's choice, kernels/cpu_native.py), None: the exact path
+    native: object = field(default=None, repr=False, compare=False)
     desc: object = field(default=None, repr=False, compare=False)  # the C kernels' descriptor, built once
 
     @property
@@ -63,8 +64,8 @@ class Int8Packed:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (embedding lookup), fp32 [len(ids), K]."""
-        if self.data.device.type == "cpu" and (kernels := cpu_native.native()) is not None:
-            return kernels.int8_rows(self.c_desc(), ids)[:, : self.in_features]  # ~5 us, not ~0.2 ms of torch ops
+        if self.native is not None:
+            return self.native.int8_rows(self.c_desc(), ids)[:, : self.in_features]  # ~5 us, not ~0.2 ms of torch ops
         q, sc = self._tiles(ids // TILE)  # one tile per id
         r = ids % TILE
         q, sc = q[torch.arange(len(ids)), r], sc[torch.arange(len(ids)), r]  # [n, Kp], [n, G]
@@ -76,16 +77,16 @@ class Int8Packed:
         Np, Kp = self.padded_shape
         start, stop, _ = rows.indices(Np)
         stop = max(start, stop)
-        if self.data.device.type == "cpu" and (kernels := cpu_native.native()) is not None:
-            return kernels.int8_dequant(self.c_desc(), start, stop)  # the same numbers, in one C pass
+        if self.native is not None:
+            return self.native.int8_dequant(self.c_desc(), start, stop)  # the same numbers, in one C pass
         q, sc = self._tiles(slice(start // TILE, -(-stop // TILE)))
         w = sc[..., None] * q.view(*q.shape[:2], -1, self.group).float()  # [n, 16, G, g]
         return w.reshape(-1, Kp)[start % TILE: start % TILE + stop - start]
 
 
-def int8_pack(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> Int8Packed:
+def int8_pack(qweight: torch.Tensor, scales: torch.Tensor, in_features: int, *, native) -> Int8Packed:
     """qweight int8 [N, Kp], scales [N, G] (fp16 per group, or fp32 [N, 1] per channel) → lowbit's
-    tile layout (module docstring)."""
+    tile layout (module docstring), multiplied by `native` (NativeKernels) or, when None, the exact path."""
     N, Kp = qweight.shape
     G = scales.shape[1]
     per_channel = G == 1 and scales.dtype == torch.float32
@@ -101,18 +102,17 @@ def int8_pack(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> 
     u = u.view(T, TILE, G, nb, 8, 4).permute(0, 2, 3, 4, 1, 5).reshape(T, G, nb * 512)  # [t, g, block, j, r, i]
     sdt = torch.float32 if per_channel else torch.float16
     sc = F.pad(scales.to(sdt), (0, 0, 0, Np - N)).view(T, TILE, G).transpose(1, 2).contiguous().view(torch.uint8)
-    return Int8Packed(pack_tiles(sc, u), g, 4 if per_channel else 2, N, in_features, Kp)
+    return Int8Packed(pack_tiles(sc, u), g, 4 if per_channel else 2, N, in_features, Kp, native)
 
 
 def int8_mm(x: torch.Tensor, w: Int8Packed, exact: bool | None = None) -> torch.Tensor:
-    """x [M, K] → y fp32 [M, N]: exact when `exact` (default: M >= EXACT_MIN_ROWS) or where the C
-    kernels are not built, else the C kernel's integer path."""
+    """x [M, K] → y fp32 [M, N]: exact when `exact` (default: from EXACT_MIN_ROWS rows,
+    kernels/exact_mm.py) or when w has no C kernels, else the C kernel's integer path."""
     Np, Kp = w.padded_shape
     x = padded_input("int8_mm", x, w.in_features, Kp)
-    kernels = cpu_native.native()
-    if kernels is None or (exact if exact is not None else x.shape[0] >= EXACT_MIN_ROWS) or x.shape[0] == 0:
+    if w.native is None or takes_exact(exact, x.shape[0]) or x.shape[0] == 0:
         return in_tiles(w.out_features, Kp, lambda a, b: exact_linear(x, w.dequantize(slice(a, b))))
-    y = kernels.linear_mm(x, w.c_desc())
+    y = w.native.linear_mm(x, w.c_desc())
     return y[:, : w.out_features] if Np != w.out_features else y
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.kernels import cpu_native
 from lowbit.kernels.triton_import import check_device, tl, triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -85,16 +84,15 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return q, k
 
 
-def rotary_cpu(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU backend's op: lowbit's C loop (kernels/cpu_block.c), in place, for fp32 q/k with a
+def rotary_cpu(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               *, native) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU backend's op (`native`: its C kernels, or None): lowbit's C loop (kernels/cpu_block.c), in place, for fp32 q/k with a
     contiguous last dim — the spec's arithmetic exactly (two products and a sum, no FMA) — else the
     spec below."""
-    kernels = cpu_native.native()
-    if kernels is None or any(t.dtype != torch.float32 or t.dim() != 3 or t.stride(2) != 1 for t in (q, k)) \
+    if native is None or any(t.dtype != torch.float32 or t.dim() != 3 or t.stride(2) != 1 for t in (q, k)) \
             or not (cos.is_contiguous() and sin.is_contiguous()):
         return rotary_ref(q, k, cos, sin)
-    return kernels.rotary(q, k, cos, sin)
+    return native.rotary(q, k, cos, sin)
 
 
 def _rotary_ref_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels import cpu_native
 from lowbit.kernels.triton_import import check_device, tl, triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,14 +54,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The CPU backend's op: lowbit's C loop (kernels/cpu_block.c, libm's expf) for fp32 [M, I] with a
+def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor, *, native) -> torch.Tensor:
+    """The CPU backend's op (`native`: its C kernels, or None): lowbit's C loop (kernels/cpu_block.c, libm's expf) for fp32 [M, I] with a
     contiguous last dim, else the spec below."""
-    kernels = cpu_native.native()
-    if kernels is None or gate.dim() != 2 or gate.dtype != torch.float32 or up.dtype != torch.float32 \
+    if native is None or gate.dim() != 2 or gate.dtype != torch.float32 or up.dtype != torch.float32 \
             or gate.shape != up.shape or gate.stride(1) != 1 or up.stride(1) != 1:
         return silu_mul_ref(gate, up)
-    return kernels.silu_mul(gate, up)
+    return native.silu_mul(gate, up)
 
 
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

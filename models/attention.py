@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels import cpu_native
 from lowbit.kernels.kv_write import kv_write
 from lowbit.kernels.paged_attention import batch_tensors, paged_attention
 
@@ -60,8 +59,11 @@ class PagedAttention:
     kernels kernels/kv_write.py and kernels/paged_attention.py quantize in-kernel and read the
     quantized pages directly, working in the rotated space (q rotated, output rotated back)."""
 
-    def __init__(self, pool, batch: PagedBatch, sliding_window: int | None, fused: bool = False):
-        self.pool, self.batch, self.window, self.fused = pool, batch, sliding_window, fused
+    def __init__(self, pool, batch: PagedBatch, sliding_window: int | None, backend):
+        """backend: the model's (models/backend.py): its Triton kernels when `fused_paged_attention`,
+        else its C kernels (`native`) where it has them."""
+        self.pool, self.batch, self.window = pool, batch, sliding_window
+        self.fused, self.kernels = backend.fused_paged_attention, backend.native
         # both sides rotated (k8v4, k4v4): attend in the rotated space, as the CUDA kernels do —
         # q·k and p·v are unchanged by an orthonormal rotation, and rotating q and the output costs
         # a sequence's new rows where un-rotating its gathered cache cost 2 x context rows per layer
@@ -70,7 +72,7 @@ class PagedAttention:
         # sequences whose pages are read and dequantized together (one set of index and dequantize
         # ops per layer instead of ~20 per sequence); dequantizing is elementwise, so a sequence's
         # values do not depend on its company — but un-rotating one side is a matmul: one each then
-        if fused:
+        if self.fused:
             self.tensors = batch_tensors(batch.query_lens, batch.context_lens, batch.block_tables,
                                          batch.positions.device)  # once per step, not per layer
         else:
@@ -85,7 +87,7 @@ class PagedAttention:
         starts = [0]
         for n in batch.query_lens:
             starts.append(starts[-1] + n)
-        self.native = cpu_native.native() if pool.rot is None or self.rot is not None else None
+        self.native = self.kernels if pool.rot is None or self.rot is not None else None
         by_c = [self.native is not None and (n == 1 or one) for n, one in zip(batch.query_lens, one_by_one)]
         self.rows = [(i, starts[i]) for i in range(len(by_c)) if not by_c[i]]  # (sequence, first row), SDPA
         budget = 1 if pool.rot is not None and self.rot is None else GATHER_PAGES
@@ -126,7 +128,7 @@ class PagedAttention:
         if self.fused:
             return self._fused(layer, q, k, v)
         b, pool = self.batch, self.pool
-        pool.write(layer, k, v, b.slots)
+        pool.write(layer, k, v, b.slots, self.kernels)
         M, H, D = q.shape
         out = torch.empty(M, H, D, dtype=torch.float32, device=q.device)
         if self.c_rows is not None:

@@ -1,14 +1,16 @@
 """Which kernels a model runs, chosen once per model from its device (DESIGN.md, Backends).
 
-    torch   CPU: lowbit's C kernels on its own packed int4/int8 layouts, or the plain-torch exact
-            path (kernels/int4_mm.py, int8_mm.py choose); the small ops (norm, rotary, SiLU) are
+    torch   CPU: lowbit's C kernels (kernels/cpu_native.py, chosen here once: `native`) on its own
+            packed int4/int8 layouts, or the plain-torch exact path (each packed weight holds the
+            kernels that multiply it; kernels/int4_mm.py, int8_mm.py); the small ops (norm, rotary, SiLU) are
             lowbit's C row loops where they build (kernels/cpu_block.c, within fp32 rounding of
             the `_ref` specs; rotary exactly), else the plain-torch `_ref` specs in fp32; decode
             steps run each block as two fused C calls around attention (kernels/cpu_block.py).
     triton  CUDA: the Triton kernels (kernels/wq_mm.py, rms_norm.py, rotary.py, silu_mul.py) with
             fp16 or bf16 activations. The tests also run it on CPU under Triton's interpreter.
 
-Layers call `backend.<op>` and never look at the device. The residual stream stays fp32 on both
+Layers call `backend.<op>` and never look at the device or for the C library themselves; tests pick
+kernels by building a backend (`torch_backend(native=None)`). The residual stream stays fp32 on both
 (the add is fused into the norm), so the usual fp16 overflow point — a residual growing past
 65504 — does not arise; fp16 is the CUDA default because its 10-bit mantissa rounds activations 8x
 less than bf16's 7 bits.
@@ -17,13 +19,14 @@ less than bf16's 7 bits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 
-from lowbit.kernels import cpu_block, rms_norm, rotary, silu_mul
+from lowbit.kernels import cpu_block, cpu_native, rms_norm, rotary, silu_mul
 from lowbit.kernels.triton_import import HAVE_TRITON
-from lowbit.quant.linear import CPU_KERNELS, LinearKernels, triton_kernels
+from lowbit.quant.linear import LinearKernels, cpu_kernels, triton_kernels
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -41,11 +44,25 @@ class Backend:
     # (dims, eps, norms, (packed weight, bias) x 4) → a block in two fused calls around attention, or None
     # (kernels/cpu_block.py); used for steps whose matmuls all take the fast kernel
     fused_block: Callable | None = None
+    # lowbit's C kernels (kernels/cpu_native.py) where this backend runs them: paged attention and the
+    # KV write, besides what the callables above already hold; None on CUDA and where they do not build
+    native: object | None = None
+    # the fast kernels round differently from the exact path (CPU: 16-bit activation codes), so the
+    # engine runs prompt tokens exactly and generated ones fast, never by a step's row count
+    exact_prompts: bool = False
 
 
-def torch_backend() -> Backend:
-    return Backend("torch", torch.device("cpu"), torch.float32, CPU_KERNELS,
-                   rms_norm.add_rms_norm_cpu, rotary.rotary_cpu, silu_mul.silu_mul_cpu, False, cpu_block.fused_block)
+def torch_backend(native="auto") -> Backend:
+    """The CPU backend on lowbit's C kernels: "auto" the library built for this CPU
+    (kernels/cpu_native.py, None where it does not build), or the NativeKernels given (another
+    instruction set: `with_isa`); None runs everything on the plain-torch paths (the exact matmul,
+    the ops' specs), as where no C compiler is found."""
+    if native == "auto":
+        native = cpu_native.native()
+    return Backend("torch", torch.device("cpu"), torch.float32, cpu_kernels(native),
+                   partial(rms_norm.add_rms_norm_cpu, native=native), partial(rotary.rotary_cpu, native=native),
+                   partial(silu_mul.silu_mul_cpu, native=native), False,
+                   partial(cpu_block.fused_block, native=native) if native is not None else None, native, True)
 
 
 def triton_backend(device: str | torch.device = "cuda", dtype: str = "float16") -> Backend:

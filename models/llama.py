@@ -23,13 +23,12 @@ import torch
 from torch import nn
 
 from lowbit.kernels.cpu_block import FusedLayers
-from lowbit.kernels.int4_mm import EXACT_MIN_ROWS
 from lowbit.models.attention import PagedAttention, PagedBatch
 from lowbit.models.backend import Backend, torch_backend
 from lowbit.models.config import LlamaConfig
 from lowbit.models.rope import inv_frequencies, rope_tables
 from lowbit.models.sharding import TPGroup
-from lowbit.quant.linear import ExactRows, QuantEmbedding, QuantLinear, fuse_rows
+from lowbit.quant.linear import ExactRows, QuantEmbedding, QuantLinear, all_fast, fuse_rows
 
 
 class Projections(nn.Module):
@@ -91,8 +90,7 @@ class Block(nn.Module):
         (models/attention.py). Returns (this block's output, residual)."""
         c, ops = self.c, self.ops
         M = delta.shape[0]
-        if self.fused is not None and (exact is False or (exact is None and M < EXACT_MIN_ROWS)) \
-                and self.fused.ready():
+        if self.fused is not None and all_fast(exact, M):
             # every matmul on the fast kernel: the same arithmetic in two C calls (kernels/cpu_block.py)
             qkv, residual = self.fused.pre(delta, residual, cos, sin)  # [M, (H + 2 Hkv) D]
             q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
@@ -152,7 +150,7 @@ class Llama(nn.Module):
         """The engine's step: tokens int [M] of several sequences (see PagedBatch), K/V written to
         and read from the paged pool (runtime/engine/kv_cache.py) → logits fp32 [R, V] for batch.logits_rows."""
         cos, sin = rope_tables(self.inv_freq, batch.positions)  # [M, D]
-        attend = PagedAttention(pool, batch, self.config.sliding_window, fused=self.backend.fused_paged_attention)
+        attend = PagedAttention(pool, batch, self.config.sliding_window, self.backend)
         return self._run(tokens, cos, sin, attend, batch.logits_rows, exact)
 
     def _run(self, tokens: torch.Tensor, cos, sin, attend, rows: torch.Tensor | None,
@@ -162,8 +160,7 @@ class Llama(nn.Module):
         dtype = torch.float32 if exact is True else self.backend.dtype
         delta, residual = self._embed(tokens).to(dtype), None  # [M, dim]
         M = delta.shape[0]
-        if self.fused_layers is not None and (exact is False or (exact is None and M < EXACT_MIN_ROWS)) \
-                and FusedLayers.ready() and attend.all_rows_in_c(M):
+        if self.fused_layers is not None and all_fast(exact, M) and attend.all_rows_in_c(M):
             # every row one token's query on the C kernels: the whole step in one C call, the same
             # arithmetic as block by block (kernels/cpu_block.py)
             delta, residual = attend.run_layers(self.fused_layers, delta.contiguous(), cos.contiguous(),

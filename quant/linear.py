@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lowbit.kernels.exact_mm import exact_linear
+from lowbit.kernels.exact_mm import exact_linear, takes_exact
 from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack
 from lowbit.kernels.int8_mm import Int8Packed, int8_mm, int8_pack
 from lowbit.kernels.wq_mm import wq_mm, wq_pack_int4, wq_pack_int8, wq_rows
@@ -42,11 +42,12 @@ class LinearKernels:
     shares_head: Callable
 
 
-def _cpu_pack(weight: Weight):
+def _cpu_pack(weight: Weight, native):
     if isinstance(weight, Int4Weight):
-        return int4_pack(weight.codes(), weight.scales, weight.mins, weight.spec.group_size, weight.in_features)
+        return int4_pack(weight.codes(), weight.scales, weight.mins, weight.spec.group_size, weight.in_features,
+                         native=native)
     if isinstance(weight, Int8Weight):
-        return int8_pack(weight.qweight, weight.scales, weight.in_features)
+        return int8_pack(weight.qweight, weight.scales, weight.in_features, native=native)
     return weight
 
 
@@ -72,10 +73,12 @@ def _float_linear(x: torch.Tensor, w: FloatWeight, exact: bool | None) -> torch.
     return torch.nn.functional.linear(x.to(w.weight.dtype), w.weight)
 
 
-def _cpu_pack_embedding(weight: Weight):
+def _cpu_pack_embedding(weight: Weight, native):
     # int8 tables are kept in the tile layout and serve both the lookup and the tied head; an int4 table
     # stays in its plain layout for lookups (the head gets a packed copy).
-    return int8_pack(weight.qweight, weight.scales, weight.in_features) if isinstance(weight, Int8Weight) else weight
+    if isinstance(weight, Int8Weight):
+        return int8_pack(weight.qweight, weight.scales, weight.in_features, native=native)
+    return weight
 
 
 def _cpu_rows(w, ids: torch.Tensor) -> torch.Tensor:
@@ -86,8 +89,11 @@ def _cpu_rows(w, ids: torch.Tensor) -> torch.Tensor:
     return w.rows(ids).dequantize()  # Int4Weight: dequantize just these rows
 
 
-CPU_KERNELS = LinearKernels(_cpu_pack, _cpu_matmul, _cpu_pack_embedding, _cpu_rows,
-                            lambda w: isinstance(w, (Int8Packed, Int4Packed, FloatWeight)))
+def cpu_kernels(native) -> LinearKernels:
+    """The CPU backend's: lowbit's layouts multiplied by `native` (kernels/cpu_native.py's C kernels),
+    or, when it is None, by the exact path alone."""
+    return LinearKernels(lambda w: _cpu_pack(w, native), _cpu_matmul, lambda w: _cpu_pack_embedding(w, native),
+                         _cpu_rows, lambda w: isinstance(w, (Int8Packed, Int4Packed, FloatWeight)))
 
 
 def triton_kernels(device: torch.device) -> LinearKernels:
@@ -162,6 +168,12 @@ class ExactRows:
     def take(self, rows: torch.Tensor) -> "bool | ExactRows":
         """The choice for a subset of the rows (e.g. the rows whose logits are sampled)."""
         return ExactRows.of(self.mask[rows].tolist(), self.mask.device)
+
+
+def all_fast(exact: bool | None | ExactRows, M: int) -> bool:
+    """Whether every row of an M-row step takes the fast kernel (what the C block and one-call step
+    need): the rule is the kernels' own (kernels/exact_mm.py takes_exact)."""
+    return not isinstance(exact, ExactRows) and not takes_exact(exact, M)
 
 
 class QuantLinear(nn.Module):

@@ -132,17 +132,16 @@ def c_kernels():
 
 
 @pytest.fixture(params=["c", "torch"])
-def decode_kernel(request, monkeypatch) -> str:
-    """Decode-sized CPU matmuls (and the small ops and fused blocks) run lowbit's C kernels
-    (kernels/cpu_native.py) where they build, else the plain-torch exact path and the plain-torch
-    ops: a test taking this fixture runs with each, the second by hiding the first."""
-    from lowbit.kernels import cpu_native
+def decode_kernel(request):
+    """The CPU backend to build with (models/backend.py): decode-sized matmuls, the small ops and the
+    fused blocks on lowbit's C kernels (kernels/cpu_native.py; skipped where they do not build), or
+    everything on the plain-torch exact path and ops (`.native` is None). A test taking this fixture
+    runs with each."""
+    from lowbit.models.backend import torch_backend
 
-    if request.param == "torch":
-        monkeypatch.setattr(cpu_native, "native", lambda: None)
-    else:
-        request.getfixturevalue("c_kernels")
-    return request.param
+    if request.param == "c":
+        return torch_backend(request.getfixturevalue("c_kernels").native())
+    return torch_backend(native=None)
 
 
 @pytest.fixture(scope="session")

@@ -83,10 +83,10 @@ def test_rows_are_independent_of_the_batch_and_the_isa_bit_for_bit(name, N, K):
     g = torch.Generator().manual_seed(N + K)
     w = quantize_weight(torch.randn(N, K, generator=g), spec)
     if spec.bits == 4:
-        p = int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K)
+        p = int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K, native=k)
         want_fn = lambda x: int4_mm_fast_ref(x, w.codes(), w.scales, w.mins, spec.group_size)  # noqa: E731
     else:
-        p = int8_pack(w.qweight, w.scales, K)
+        p = int8_pack(w.qweight, w.scales, K, native=k)
         qw = torch.nn.functional.pad(w.qweight, (0, p.padded_shape[1] - w.qweight.shape[1]))
         want_fn = lambda x: int8_mm_fast_ref(x, qw, w.scales)  # noqa: E731
     x = torch.nn.functional.pad(torch.randn(19, K, generator=g) * 3, (0, p.padded_shape[1] - K))
@@ -103,7 +103,7 @@ def test_rows_are_independent_of_the_batch_and_the_isa_bit_for_bit(name, N, K):
 def test_bad_inputs_are_refused():
     k = _kernels()
     w = quantize_weight(torch.randn(32, 64), parse_weights("int4-g32"))
-    p = int4_pack(w.codes(), w.scales, w.mins, 32, 64)
+    p = int4_pack(w.codes(), w.scales, w.mins, 32, 64, native=k)
     with pytest.raises(ValueError, match="unsupported input"):
         k.linear_mm(torch.randn(1, 64).double(), p.c_desc())
     with pytest.raises(ValueError, match="unsupported input"):
@@ -122,7 +122,7 @@ with warnings.catch_warnings(record=True) as caught:
     k = native()
 w = quantize_weight(torch.randn(32, 64), parse_weights("int4-g32"))
 x = torch.randn(1, 64)
-y = int4_mm(x, int4_pack(w.codes(), w.scales, w.mins, 32, 64))
+y = int4_mm(x, int4_pack(w.codes(), w.scales, w.mins, 32, 64, native=k))
 close = torch.allclose(y, int4_mm_ref(x, w.codes(), w.scales, w.mins, 32), rtol=1e-5, atol=1e-5)
 print(k is None, y.dtype, close, "; ".join(str(c.message) for c in caught), sep="|")
 """
@@ -150,8 +150,11 @@ def test_default_model_decode_is_within_1e6_kl_of_the_exact_pass(default_model, 
     pass only in the GEMM's summation order."""
     import torch.nn.functional as F
 
-    lm = default_model
-    n = 128 if decode_kernel == "c" else 24  # the exact path per token: ~0.4 s each on 2 cores
+    from lowbit.runtime.load.loader import load
+
+    c = decode_kernel.native is not None
+    lm = default_model if c else load(str(default_model.path), progress=False, backend=decode_kernel)
+    n = 128 if c else 24  # the exact path per token: ~0.4 s each on 2 cores
     ids = lm.tokenizer.encode(wikitext_excerpt.decode("utf-8"), add_special=False)[:n]
     with torch.inference_mode():
         ref = forward(lm.model, torch.tensor([ids]), exact=True)[0]  # [T, V]
@@ -160,7 +163,7 @@ def test_default_model_decode_is_within_1e6_kl_of_the_exact_pass(default_model, 
     # in float64: fp32 log-softmaxes of one vocabulary disagree by ~1e-7 per token by themselves
     kl = F.kl_div(F.log_softmax(fast.double(), -1), F.log_softmax(ref.double(), -1), log_target=True,
                   reduction="none").sum(-1)
-    if decode_kernel == "c":
+    if c:
         assert 1e-10 < kl.mean() < 1e-6 and torch.equal(fast.argmax(-1), ref.argmax(-1)), float(kl.mean())
     else:
         assert kl.mean() < 1e-9 and torch.equal(fast.argmax(-1), ref.argmax(-1)), float(kl.mean())
@@ -176,16 +179,16 @@ def test_small_ops_match_their_specs_and_rows_are_independent():
     from lowbit.kernels.rotary import rotary_cpu, rotary_ref
     from lowbit.kernels.silu_mul import silu_mul_cpu, silu_mul_ref
 
-    _kernels()
+    k_ = _kernels()
     g = torch.Generator().manual_seed(3)
     x, res, w = torch.randn(7, 100, generator=g) * 3, torch.randn(7, 100, generator=g), torch.rand(100, generator=g)
     want, want_res = add_rms_norm_ref(x, res, w, 1e-5)
-    got, got_res = add_rms_norm_cpu(x, res.clone(), w, 1e-5)
+    got, got_res = add_rms_norm_cpu(x, res.clone(), w, 1e-5, native=k_)
     assert torch.equal(got_res, want_res)  # one fp32 add per element
     torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-7)
-    alone = torch.cat([add_rms_norm_cpu(x[i:i + 1], res[i:i + 1].clone(), w, 1e-5)[0] for i in range(7)])
+    alone = torch.cat([add_rms_norm_cpu(x[i:i + 1], res[i:i + 1].clone(), w, 1e-5, native=k_)[0] for i in range(7)])
     assert torch.equal(alone, got)
-    first, r0 = add_rms_norm_cpu(x, None, w, 1e-5)  # the first block: residual := x
+    first, r0 = add_rms_norm_cpu(x, None, w, 1e-5, native=k_)  # the first block: residual := x
     assert torch.equal(r0, x) and r0.data_ptr() != x.data_ptr()
     torch.testing.assert_close(first, add_rms_norm_ref(x, None, w, 1e-5)[0], rtol=4e-7, atol=1e-7)
 
@@ -195,19 +198,20 @@ def test_small_ops_match_their_specs_and_rows_are_independent():
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     want_q, want_k = rotary_ref(q, k, cos, sin)
     v_before = qkv[:, 96:].clone()
-    got_q, got_k = rotary_cpu(q, k, cos, sin)
+    got_q, got_k = rotary_cpu(q, k, cos, sin, native=k_)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert got_q.data_ptr() == q.data_ptr() and torch.equal(qkv[:, 96:], v_before)  # in place, v untouched
 
     gu = torch.randn(6, 2 * 40, generator=g) * 4
     gate, up = gu[:, :40], gu[:, 40:]
-    got = silu_mul_cpu(gate, up)
+    got = silu_mul_cpu(gate, up, native=k_)
     torch.testing.assert_close(got, silu_mul_ref(gate, up), rtol=4e-7, atol=1e-7)
-    assert torch.equal(torch.cat([silu_mul_cpu(gate[i:i + 1], up[i:i + 1]) for i in range(6)]), got)
-    assert torch.equal(silu_mul_cpu(torch.tensor([[-100.0, 0.0]]), torch.ones(1, 2)), torch.tensor([[-0.0, 0.0]]))
+    assert torch.equal(torch.cat([silu_mul_cpu(gate[i:i + 1], up[i:i + 1], native=k_) for i in range(6)]), got)
+    assert torch.equal(silu_mul_cpu(torch.tensor([[-100.0, 0.0]]), torch.ones(1, 2), native=k_), torch.tensor([[-0.0, 0.0]]))
 
 
-def _tiny_model(weights: str, bias: bool = False):
+def _tiny_model(weights: str, bias: bool = False, native="auto"):
+    from lowbit.models.backend import torch_backend
     from lowbit.models.config import LlamaConfig
     from lowbit.models.llama import Llama
     from lowbit.models.synthetic import random_weights
@@ -219,7 +223,7 @@ def _tiny_model(weights: str, bias: bool = False):
         g = torch.Generator().manual_seed(2)
         for i in range(cfg.n_layers):
             w |= {f"layers.{i}.b{n}": torch.randn(s, generator=g) for n, s in (("q", 64), ("k", 32), ("v", 32))}
-    return Llama(cfg, w).eval()
+    return Llama(cfg, w, torch_backend(native)).eval()
 
 
 @pytest.mark.parametrize("weights,bias", [("int4-g32", False), ("int4-sym-g32", True), ("int8-g32", False)])
@@ -280,23 +284,23 @@ def test_fused_block_refuses_bad_inputs():
 
 @pytest.mark.parametrize("name,N,K", [("int4-g32", 96, 96), ("int4-sym-g32", 48, 64), ("int4-g128", 80, 256),
                                       ("int8-g32", 40, 96), ("int8", 33, 104)])
-def test_exact_path_tiles_are_the_specs_bit_for_bit(name, N, K, monkeypatch):
+def test_exact_path_tiles_are_the_specs_bit_for_bit(name, N, K):
     """The exact path's dequantized weight tiles from C (one pass) equal the torch spec's, bit for
     bit — so prefill and verification run the same fp32 GEMM on the same numbers (N = 48 and 80 end
     in a half tile; per-channel int8 has fp32 scales and a padded K)."""
-    from lowbit.kernels import cpu_native
     from lowbit.kernels.int4_mm import dequantize_packed_t
 
-    _kernels()
+    k = _kernels()
     spec = parse_weights(name)
     w = quantize_weight(torch.randn(N, K, generator=torch.Generator().manual_seed(N)), spec)
     if name.startswith("int4"):
-        p = int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K)
+        p = int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K, native=k)
         tiles = [dequantize_packed_t(p), dequantize_packed_t(p, slice(16, 32)), dequantize_packed_t(p, slice(32, None))]
+        p = int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K, native=None)
     else:
-        p = int8_pack(w.qweight, w.scales, K)
+        p = int8_pack(w.qweight, w.scales, K, native=k)
         tiles = [p.dequantize(), p.dequantize(slice(3, 17)), p.dequantize(slice(5, None))]
-    monkeypatch.setattr(cpu_native, "native", lambda: None)
+        p = int8_pack(w.qweight, w.scales, K, native=None)
     if name.startswith("int4"):
         want = [dequantize_packed_t(p), dequantize_packed_t(p, slice(16, 32)), dequantize_packed_t(p, slice(32, None))]
         assert torch.equal(want[1], want[0][:, 16:32]) and torch.equal(want[2], want[0][:, 32:])
@@ -311,29 +315,27 @@ def test_exact_path_in_row_ranges(name, monkeypatch):
     """The exact path multiplies a weight a range of output rows at a time (kernels/exact_mm.py
     in_tiles; here ranges of 16 and 32 rows of a 80-row weight): the result is the spec's, the same with
     the C kernels and without, and a row's result is the same at every M."""
-    from lowbit.kernels import cpu_native, exact_mm
+    from lowbit.kernels import exact_mm
     from lowbit.kernels.int4_mm import int4_mm, int4_mm_ref
     from lowbit.kernels.int8_mm import int8_mm, int8_mm_ref
 
-    _kernels()
+    k = _kernels()
     spec = parse_weights(name)
     N, K = 80, 96
     w = quantize_weight(torch.randn(N, K, generator=torch.Generator().manual_seed(5)), spec)
     x = torch.randn(20, K, generator=torch.Generator().manual_seed(6))
     if name.startswith("int4"):
-        p = int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K)
+        p, plain = (int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K, native=n) for n in (k, None))
         mm, want = int4_mm, int4_mm_ref(x, w.codes(), w.scales, w.mins, spec.group_size)
     else:
-        p = int8_pack(w.qweight, w.scales, K)
+        p, plain = (int8_pack(w.qweight, w.scales, K, native=n) for n in (k, None))
         mm, want = int8_mm, int8_mm_ref(x, w.qweight, w.scales)
     for elems in (16 * K, 32 * K):
         monkeypatch.setattr(exact_mm, "TILE_ELEMS", elems)
         with_c = mm(x, p, exact=True)
         torch.testing.assert_close(with_c, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(mm(x[:17], p, exact=True), with_c[:17])
-        with monkeypatch.context() as m:
-            m.setattr(cpu_native, "native", lambda: None)
-            assert torch.equal(mm(x, p, exact=True), with_c)
+        assert torch.equal(mm(x, plain, exact=True), with_c)
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "k8v4", "k4v4"])
@@ -362,12 +364,13 @@ def test_one_call_paged_step_equals_the_block_by_block_step(kv):
                 for t, n in zip(tables, ctxs):
                     pos = torch.arange(n)
                     pool.write(layer, torch.randn(n, c.n_kv_heads, c.head_dim, generator=gen),
-                               torch.randn(n, c.n_kv_heads, c.head_dim, generator=gen), t[pos // P] * P + pos % P)
+                               torch.randn(n, c.n_kv_heads, c.head_dim, generator=gen), t[pos // P] * P + pos % P,
+                               model.backend.native)
             pos = torch.cat([torch.arange(n, n + m) for n, m in zip(ctxs, news)])
             slots = torch.cat([t[p // P] * P + p % P for t, p in zip(tables, pos.split(news))])
             batch = PagedBatch(pos, slots, news, [n + m for n, m in zip(ctxs, news)], tables,
                                torch.arange(sum(news)))
-            attend_all_c = PagedAttention(pool, batch, None).all_rows_in_c(batch.num_tokens)
+            attend_all_c = PagedAttention(pool, batch, None, model.backend).all_rows_in_c(batch.num_tokens)
             with torch.inference_mode():
                 logits = model.forward_paged(tokens, batch, pool, exact=False)
             return logits, pool, attend_all_c
@@ -456,21 +459,21 @@ def test_every_isa_and_an_avx2_only_build_give_the_same_logits(tmp_path, monkeyp
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     avx2_only = cpu_native.load(cpu_native._build({"avx2", "fma", "f16c"}))
     assert avx2_only.isas == ["avx2"] and avx2_only.isa == "avx2"
-    model = _tiny_model("int4-g32")
-    c, P = model.config, 4
+    c, P = _tiny_model("int4-g32").config, 4
     tables = [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4])]
     ctx = [6, 3, 2]
     tokens = torch.tensor([7, 11, 13])
 
     def logits(kernels) -> torch.Tensor:
-        monkeypatch.setattr(cpu_native, "native", lambda: kernels)
+        model = _tiny_model("int4-g32", native=kernels)  # the same weights, on these kernels
         pool = KVPool(KV_FORMATS["k8v4"], c.n_layers, c.n_kv_heads, c.head_dim, num_pages=6, page_size=P)
         for layer in range(c.n_layers):
             gen = torch.Generator().manual_seed(layer)
             for t, n in zip(tables, ctx):
                 pos = torch.arange(n - 1)
                 pool.write(layer, torch.randn(n - 1, c.n_kv_heads, c.head_dim, generator=gen),
-                           torch.randn(n - 1, c.n_kv_heads, c.head_dim, generator=gen), t[pos // P] * P + pos % P)
+                           torch.randn(n - 1, c.n_kv_heads, c.head_dim, generator=gen), t[pos // P] * P + pos % P,
+                           kernels)
         pos = torch.tensor([n - 1 for n in ctx])
         slots = torch.stack([t[p // P] * P + p % P for t, p in zip(tables, pos)])
         with torch.inference_mode():

@@ -116,10 +116,10 @@ def test_sequences_read_together_attend_as_they_do_alone(name, monkeypatch, deco
     budget set so that reads split between sequences (2 and 3 of them), and with one sequence larger
     than the budget on its own. With the C kernels, the one-token rows are attended in C straight
     from the pages and the others are read as before; without them, all are read."""
-    _paged_step_case(name, monkeypatch, together=True)
+    _paged_step_case(name, monkeypatch, decode_kernel, together=True)
 
 
-def _paged_step_case(name, monkeypatch, together: bool, window=None, one_by_one=None):
+def _paged_step_case(name, monkeypatch, backend, together: bool, window=None, one_by_one=None):
     from lowbit.models import attention
     from lowbit.models.attention import PagedAttention, PagedBatch
 
@@ -135,7 +135,7 @@ def _paged_step_case(name, monkeypatch, together: bool, window=None, one_by_one=
     for t, c in zip(tables, ctxs):  # fill the cache
         pos = torch.arange(c)
         pool.write(0, torch.randn(c, Hkv, D, generator=g), torch.randn(c, Hkv, D, generator=g),
-                   t[pos // P] * P + pos % P)
+                   t[pos // P] * P + pos % P, backend.native)
     q = torch.randn(sum(news), H, D, generator=g)
     k, v = torch.randn(sum(news), Hkv, D, generator=g), torch.randn(sum(news), Hkv, D, generator=g)
     pos = torch.cat([torch.arange(c - n, c) for c, n in zip(ctxs, news)])
@@ -146,7 +146,7 @@ def _paged_step_case(name, monkeypatch, together: bool, window=None, one_by_one=
         b = PagedBatch(pos[rows], slots[rows], [news[s] for s in seqs], [ctxs[s] for s in seqs],
                        [tables[s] for s in seqs], torch.arange(len(rows)),
                        None if one_by_one is None else [one_by_one[s] for s in seqs])
-        return PagedAttention(pool, b, window)(0, q[rows], k[rows], v[rows])
+        return PagedAttention(pool, b, window, backend)(0, q[rows], k[rows], v[rows])
 
     if not together:
         return step(list(range(len(ctxs))))
@@ -164,9 +164,12 @@ def test_c_paged_attention_matches_dequantize_and_sdpa(name, window, one_by_one,
     """The C kernel that attends one-token rows straight from the quantized pages (rotated q and
     output for k8v8/k8v4/k4v4) against the plain-torch path (pages gathered, dequantized, SDPA) on
     the same pool: decode rows, a sliding window, and speculative rows attended one by one."""
-    got = _paged_step_case(name, monkeypatch, together=False, window=window, one_by_one=one_by_one)
-    monkeypatch.setattr(c_kernels, "native", lambda: None)
-    want = _paged_step_case(name, monkeypatch, together=False, window=window, one_by_one=one_by_one)
+    from lowbit.models.backend import torch_backend
+
+    got = _paged_step_case(name, monkeypatch, torch_backend(c_kernels.native()), together=False, window=window,
+                           one_by_one=one_by_one)
+    want = _paged_step_case(name, monkeypatch, torch_backend(native=None), together=False, window=window,
+                            one_by_one=one_by_one)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
@@ -188,11 +191,9 @@ def test_c_quantize_on_write_matches_the_specs(name, rotate, monkeypatch, c_kern
     k, v = qkv[:, 3 * D:(3 + Hkv) * D].view(M, Hkv, D), qkv[:, (3 + Hkv) * D:].view(M, Hkv, D)
     slots = torch.randperm(8 * P, generator=g)[:M]
     pools = []
-    for hide in (False, True):
-        if hide:
-            monkeypatch.setattr(c_kernels, "native", lambda: None)
+    for kernels in (c_kernels.native(), None):
         pools.append(KVPool(fmt, 1, Hkv, D, num_pages=8, page_size=P))
-        pools[-1].write(0, k, v, slots)
+        pools[-1].write(0, k, v, slots, kernels)
     c, ref = pools
     for side in ("k", "v"):
         for key, got in c.side(0, side).tensors().items():

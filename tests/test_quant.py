@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.kernels.act_quant import BLOCK, act_quant_ref
-from lowbit.kernels.int4_mm import EXACT_MIN_ROWS, int4_mm, int4_mm_fast_ref, int4_mm_ref, int4_pack
+from lowbit.kernels.exact_mm import EXACT_MIN_ROWS
+from lowbit.kernels.int4_mm import int4_mm, int4_mm_fast_ref, int4_mm_ref, int4_pack
 from lowbit.kernels.int8_mm import int8_mm, int8_mm_fast_ref, int8_mm_ref, int8_pack
 from lowbit.quant import Int4Weight, Int8Weight, parse_weights, quantize_weight
 
@@ -188,7 +189,7 @@ def test_int4_mm_matches_ref(name, M, N, K_groups, decode_kernel):
     w = quantize_weight(_matrix(N, K, seed=N + K), spec)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
     codes = w.codes()
-    p = int4_pack(codes, w.scales, w.mins, spec.group_size, K)
+    p = int4_pack(codes, w.scales, w.mins, spec.group_size, K, native=decode_kernel.native)
     y = int4_mm(x, p)
     assert y.shape == (M, N) and y.dtype == torch.float32
     ref = int4_mm_ref(x, codes, w.scales, w.mins, spec.group_size)
@@ -200,7 +201,7 @@ def test_int4_mm_matches_ref(name, M, N, K_groups, decode_kernel):
     # d s (T - 8 S) per block
     S = x.abs() @ (w_abs + codes[:, :K].float() * d[:, :K].abs() + zero[:, :K].abs() + 8 * d[:, :K].abs()).t()
     fast = (lambda xp: int4_mm_fast_ref(xp, codes, w.scales, w.mins, spec.group_size), F.pad(w_abs, (0, Kp - K)))
-    _check_mm(y, x, ref, S, fast if decode_kernel == "c" and M < EXACT_MIN_ROWS else None)
+    _check_mm(y, x, ref, S, fast if decode_kernel.native is not None and M < EXACT_MIN_ROWS else None)
 
 
 def test_int4_layout_is_lowbits_own():
@@ -213,7 +214,7 @@ def test_int4_layout_is_lowbits_own():
     u = (torch.arange(N)[:, None] * 7 + torch.arange(K)[None, :] * 3) % 16  # [N, K]
     d = (torch.arange(N * 3).view(N, 3) + 1).half() / 64
     m = -d * 3
-    p = int4_pack(u.to(torch.uint8), d, m, 32, K)
+    p = int4_pack(u.to(torch.uint8), d, m, 32, K, native=None)
     assert p.data.shape == (2, 3 * (64 + 256)) and p.data.dtype == torch.uint8
     t = p.data[0, 320:640]  # tile 0 (rows 0-15), group 1 (k 32-63)
     assert torch.equal(t[:32].view(torch.float16), d[:16, 1]) and torch.equal(t[32:64].view(torch.float16), m[:16, 1])
@@ -225,7 +226,7 @@ def test_int4_layout_is_lowbits_own():
     uu, dd, mm = p.unpack()
     assert torch.equal(uu[:N], u.to(torch.uint8)) and torch.equal(dd[:N], d) and torch.equal(mm[:N], m)
     assert torch.equal(uu[N:], torch.full((12, K), 8, dtype=torch.uint8)) and not dd[N:].any() and not mm[N:].any()
-    sym = int4_pack(u.to(torch.uint8), d, None, 32, K)
+    sym = int4_pack(u.to(torch.uint8), d, None, 32, K, native=None)
     # groups 0, 1: [d0 d1][codes 0][codes 1]; group 2: [d2, 32 zero bytes][codes 2]
     assert sym.data.shape == (2, 64 + 512 + 64 + 256)
     t = sym.data[1]  # tile 1: rows 16-19 and padding
@@ -271,7 +272,7 @@ def test_int8_mm_matches_ref(name, M, N, K_kind, decode_kernel):
         K = 576 if K_kind == "whole" else 91
     w = quantize_weight(_matrix(N, K, seed=N + K), spec)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
-    p = int8_pack(w.qweight, w.scales, K)
+    p = int8_pack(w.qweight, w.scales, K, native=decode_kernel.native)
     y = int8_mm(x, p)
     assert y.shape == (M, N) and y.dtype == torch.float32
     ref = int8_mm_ref(x, w.qweight, w.scales)
@@ -279,7 +280,7 @@ def test_int8_mm_matches_ref(name, M, N, K_kind, decode_kernel):
     w_abs = w.dequantize().abs()
     qw = F.pad(w.qweight, (0, Kp - w.qweight.shape[1]))
     fast = (lambda xp: int8_mm_fast_ref(xp, qw, w.scales), F.pad(w_abs, (0, Kp - K)))
-    _check_mm(y, x, ref, x.abs() @ w_abs.t(), fast if decode_kernel == "c" and M < EXACT_MIN_ROWS else None)
+    _check_mm(y, x, ref, x.abs() @ w_abs.t(), fast if decode_kernel.native is not None and M < EXACT_MIN_ROWS else None)
 
 
 def test_int8_layout_is_lowbits_own():
@@ -289,7 +290,7 @@ def test_int8_layout_is_lowbits_own():
     N, K = 16, 64
     q = ((torch.arange(N)[:, None] * 5 + torch.arange(K)[None, :] * 11) % 255 - 127).to(torch.int8)
     d = (torch.arange(N * 2).view(N, 2) + 1).half() / 256
-    p = int8_pack(q, d, K)
+    p = int8_pack(q, d, K, native=None)
     assert p.data.shape == (1, 64 + 2 * 512)
     t = p.data[0]
     assert torch.equal(t[:32].view(torch.float16), d[:, 0]) and torch.equal(t[32:64].view(torch.float16), d[:, 1])
@@ -297,7 +298,7 @@ def test_int8_layout_is_lowbits_own():
         for r in range(16):
             for i in range(4):
                 assert int(t[64 + 512 + 64 * j + 4 * r + i]) == int(q[r, 32 + 4 * j + i]) + 128, (j, r, i)
-    pc = int8_pack(q[:, :40], torch.rand(N, 1), 40)  # per channel, K = 40 → one group of 64
+    pc = int8_pack(q[:, :40], torch.rand(N, 1), 40, native=None)  # per channel, K = 40 → one group of 64
     assert pc.data.shape == (1, 64 + 64 * 16) and pc.scale_bytes == 4 and pc.padded_shape == (16, 64)
 
 
@@ -307,7 +308,7 @@ def test_int8_rows_are_the_dequantized_rows(decode_kernel):
     for name in ("int8", "int8-g32"):
         w = quantize_weight(_matrix(300, 101, seed=5), parse_weights(name))
         ids = torch.tensor([0, 299, 17, 17, 42])
-        assert torch.equal(int8_pack(w.qweight, w.scales, 101).rows(ids), w.dequantize()[ids])
+        assert torch.equal(int8_pack(w.qweight, w.scales, 101, native=decode_kernel.native).rows(ids), w.dequantize()[ids])
 
 
 @pytest.mark.parametrize("name", ["int4-g32", "int8-g32", "f32"])
@@ -315,23 +316,25 @@ def test_exact_path_rows_do_not_depend_on_the_row_count(name):
     """The exact path gives a row the same bits whether it comes alone, with a few others or with
     many (torch's GEMM picks another kernel for a few rows: kernels/exact_mm.py) — the engine's
     prompt rows come in steps of any size. 2 threads, where the small-M kernels differ most."""
-    from lowbit.quant.linear import CPU_KERNELS
+    from lowbit.kernels.cpu_native import native
+    from lowbit.quant.linear import cpu_kernels
 
+    kernels = cpu_kernels(native())
     spec = parse_weights(name)
-    w = CPU_KERNELS.pack(quantize_weight(_matrix(200, 576, seed=9), spec))
+    w = kernels.pack(quantize_weight(_matrix(200, 576, seed=9), spec))
     x = torch.randn(48, 576, generator=torch.Generator().manual_seed(1))
     torch.set_num_threads(2)
     try:
-        full = CPU_KERNELS.matmul(x, w, True)
+        full = kernels.matmul(x, w, True)
         for M in list(range(1, 17)) + [23, 31]:
-            assert torch.equal(CPU_KERNELS.matmul(x[:M], w, True), full[:M]), M
+            assert torch.equal(kernels.matmul(x[:M], w, True), full[:M]), M
     finally:
         torch.set_num_threads(1)  # this module's `one_thread`
 
 
 @pytest.mark.parametrize("name", ["int4-g32", "int4-sym-g64", "int4-g128", "int8", "int8-g32"])
 @pytest.mark.parametrize("M", [16, 40])
-def test_exact_path_matches_ref_in_fp32(name, M):
+def test_exact_path_matches_ref_in_fp32(name, M, decode_kernel):
     """From EXACT_MIN_ROWS rows on, the kernels dequantize with the exact scales and multiply in
     fp32: the result equals the fp32 reference up to fp32 summation order (K = 200 terms)."""
     torch.manual_seed(M)
@@ -340,10 +343,10 @@ def test_exact_path_matches_ref_in_fp32(name, M):
     w = quantize_weight(torch.randn(40, K), spec)
     x = torch.randn(M, K)
     if spec.bits == 4:
-        y = int4_mm(x, int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K))
+        y = int4_mm(x, int4_pack(w.codes(), w.scales, w.mins, spec.group_size, K, native=decode_kernel.native))
         ref = int4_mm_ref(x, w.codes(), w.scales, w.mins, spec.group_size)
     else:
-        y = int8_mm(x, int8_pack(w.qweight, w.scales, K))
+        y = int8_mm(x, int8_pack(w.qweight, w.scales, K, native=decode_kernel.native))
         ref = int8_mm_ref(x, w.qweight, w.scales)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

@@ -264,6 +264,7 @@ def test_one_by_one_rows_attend_exactly_as_decode_steps(window):
     attended one decode step at a time; the batched chunk is only close (SDPA's kernels differ in
     the last bits with the number of queries)."""
     from lowbit.models.attention import PagedAttention, PagedBatch
+    from lowbit.models.backend import torch_backend
     from lowbit.quant.kv import KV_FORMATS
     from lowbit.runtime.engine.kv_cache import KVPool
 
@@ -277,7 +278,7 @@ def test_one_by_one_rows_attend_exactly_as_decode_steps(window):
         pos = torch.arange(start, start + count)
         b = PagedBatch(pos, pages[pos // P] * P + pos % P, [count], [start + count], [pages],
                        torch.arange(count), [one_by_one])
-        return PagedAttention(pool, b, window)(0, q[start:start + count], k[start:start + count],
+        return PagedAttention(pool, b, window, torch_backend())(0, q[start:start + count], k[start:start + count],
                                                 v[start:start + count])
 
     pools = [KVPool(KV_FORMATS["k8v4"], 1, Hkv, D, num_pages=4, page_size=P) for _ in range(3)]

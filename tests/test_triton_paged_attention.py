@@ -25,6 +25,7 @@ from lowbit.kernels.kv_write import kv_write, kv_write_ref
 from lowbit.kernels.paged_attention import batch_tensors, paged_attention, paged_attention_ref
 from lowbit.kernels.triton_import import interpreting
 from lowbit.models.attention import PagedAttention, PagedBatch
+from lowbit.models.backend import torch_backend
 from lowbit.quant.kv import KV_FORMATS, KVFormat
 from lowbit.runtime.engine.kv_cache import KVPool
 
@@ -327,7 +328,7 @@ def test_paged_attention_ref_is_models_paged_attention(fmt, window):
     positions = torch.cat([torch.arange(c - n, c) for c, n in SEQS])
     batch = PagedBatch(positions, torch.cat(new_slots), [n for _, n in SEQS], [c for c, _ in SEQS], tables,
                        torch.arange(M))
-    want = PagedAttention(pool, batch, window)(1, q, k, v).view(M, H, D)  # writes k, v, then attends
+    want = PagedAttention(pool, batch, window, torch_backend())(1, q, k, v).view(M, H, D)  # writes k, v, attends
     cu, ctx, bt = batch_tensors(batch.query_lens, batch.context_lens, tables, "cpu")
     got = paged_attention_ref(q, pool.side(1, "k"), pool.side(1, "v"), cu, ctx, positions, bt, page, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # explicit softmax against SDPA's

@@ -277,7 +277,7 @@ class Engine:
         end = s.start + s.num_tokens
         if self.requests[s.seq.seq_id].exact:
             exact = s.num_tokens
-        elif self.model.backend.name == "torch":
+        elif self.model.backend.exact_prompts:
             exact = max(0, min(end, len(s.seq.prompt_ids)) - s.start)
         else:
             exact = 0

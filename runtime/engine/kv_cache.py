@@ -20,7 +20,6 @@ from typing import Literal
 
 import torch
 
-from lowbit.kernels import cpu_native
 from lowbit.kernels.kv_quant import quantize_int4, quantize_int8, rotation
 from lowbit.kernels.kv_side import KVSide
 from lowbit.quant.kv import KVFormat
@@ -71,11 +70,10 @@ class KVPool:
         return sum(t.numel() * t.element_size() for layer in self._sides for side in layer.values()
                    for t in side.tensors().values())
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v [M, Hkv, D] (any float dtype) of M tokens → their slots (int [M]). On CPU with lowbit's
-        C kernels, fp32 rows are quantized in C (kernels/cpu_attention.c: the specs' arithmetic, one
-        call per side instead of ~15 torch ops)."""
-        kernels = cpu_native.native() if k.device.type == "cpu" else None
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kernels=None) -> None:
+        """k, v [M, Hkv, D] (any float dtype) of M tokens → their slots (int [M]). With lowbit's C kernels
+        (the model backend's `native`), fp32 rows are quantized in C (kernels/cpu_attention.c: the
+        specs' arithmetic, one call per side instead of ~15 torch ops)."""
         page, off = slots // self.page_size, slots % self.page_size
         for name, x in (("k", k), ("v", v)):
             side = self.side(layer, name)

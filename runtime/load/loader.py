@@ -47,15 +47,16 @@ def _progress_bar(total: int, desc: str, enabled: bool):
 
 
 def load(ref: str | None, weights: str = "auto", progress: bool | None = None, device: str = "auto",
-         dtype: str = "float16", shard: Shard | None = None) -> LoadedModel:
+         dtype: str = "float16", shard: Shard | None = None, backend=None) -> LoadedModel:
     """weights: `auto` (GGUF: lossless native layouts; safetensors: int4-g32) or a layout name.
     device: auto (CUDA when there is a GPU and Triton) | cpu | cuda[:N]; dtype: the activations'
     on CUDA, float16 | bfloat16 (CPU computes in fp32). shard: build only this tensor-parallel
-    rank's slice of the model (models/sharding.py; runtime/engine/tp.py starts the ranks)."""
+    rank's slice of the model (models/sharding.py; runtime/engine/tp.py starts the ranks). backend:
+    the kernels to build the model on (models/backend.py), in place of the device's own choice."""
     if progress is None:
         progress = sys.stderr.isatty()
     try:
-        backend = select_backend(device, dtype)
+        backend = backend or select_backend(device, dtype)
     except (ValueError, RuntimeError) as e:
         raise LowbitError(str(e)) from None
     say = (lambda s: print(f"lowbit: {s}", file=sys.stderr)) if progress else None

@@ -19,6 +19,7 @@ Prints the median step time and tok/s of each mode. Wall clock around engine.ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -32,19 +33,11 @@ from speculative import OPEN_ENDED, grounded_prompts  # noqa: E402
 from decode_prefill import cpu_name  # noqa: E402
 
 from lowbit.kernels import cpu_native  # noqa: E402
-from lowbit.models import attention  # noqa: E402
-from lowbit.runtime.engine.config import EngineConfig
+from lowbit.models.backend import torch_backend  # noqa: E402
+from lowbit.runtime.engine.config import EngineConfig  # noqa: E402
 from lowbit.runtime.engine.engine import Engine  # noqa: E402
-from lowbit.runtime.load.loader import load  # noqa: E402
 from lowbit.runtime.engine.sampler import SamplingParams  # noqa: E402
-
-
-class _AttentionWithoutC:
-    """What models/attention.py sees of kernels/cpu_native.py in the comparison steps: no C kernels."""
-
-    @staticmethod
-    def native():
-        return None
+from lowbit.runtime.load.loader import load  # noqa: E402
 
 
 def main() -> None:
@@ -61,9 +54,12 @@ def main() -> None:
     if best is None:
         sys.exit("lowbit's C kernels do not build here: nothing to compare")
     isas = args.isas.split(",") if args.isas else best.isas
-    modes = [(isa, best.with_isa(isa), True) for isa in isas]  # (label, kernels, C attention)
+    # one model per mode, each built on its backend (the kernels are the backend's choice), all
+    # stepping the same engine, pool and requests in turn
+    modes = [(isa, torch_backend(best.with_isa(isa))) for isa in isas]  # (label, backend)
     if args.attention:
-        modes.append((f"{best.isa}, gathered + SDPA", best, False))
+        modes.append((f"{best.isa}, gathered + SDPA", dataclasses.replace(torch_backend(best), native=None)))
+    models = {label: load(args.model, progress=False, backend=b).model for label, b in modes}
     lm = load(args.model, progress=False)
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(kv_format="k8v4", kv_memory=256 << 20))
     half = args.streams // 2
@@ -75,18 +71,13 @@ def main() -> None:
     while sched.waiting or any(s.num_tokens - s.num_computed > 1 for s in sched.running):
         engine.step()  # prefill every stream first
     ctx = [s.num_tokens for s in sched.running]
-    native, times = cpu_native.native, {label: [] for label, _, _ in modes}
-    try:
-        for i in range(args.steps):
-            label, kernels, c_attention = modes[i % len(modes)]
-            cpu_native.native = lambda k=kernels: k  # every caller looks the kernels up per call
-            attention.cpu_native = cpu_native if c_attention else _AttentionWithoutC
-            t0 = time.perf_counter()
-            engine.step()
-            times[label].append(time.perf_counter() - t0)
-    finally:
-        cpu_native.native = native
-        attention.cpu_native = cpu_native
+    times = {label: [] for label, _ in modes}
+    for i in range(args.steps):
+        label, _ = modes[i % len(modes)]
+        engine.model = engine.runner.model = models[label]
+        t0 = time.perf_counter()
+        engine.step()
+        times[label].append(time.perf_counter() - t0)
     med = {m: statistics.median(v) for m, v in times.items() if v}
     print(f"{args.streams} streams decoding (contexts {min(ctx)}-{max(ctx)} tokens at the start), "
           f"{args.threads} threads, {args.steps} steps cycled over {len(modes)} modes; CPU {cpu_name()}")
