@@ -24,10 +24,10 @@ from lowbit.kernels.int4_mm import Int4Packed
 from lowbit.kernels.int8_mm import Int8Packed
 
 
-def _linear(w, bias: torch.Tensor | None) -> "cpu_native._Linear | None":
+def _linear(w, bias: torch.Tensor | None, native) -> "cpu_native._Linear | None":
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
-    if not isinstance(w, (Int4Packed, Int8Packed)):
+    if not isinstance(w, (Int4Packed, Int8Packed)) or w.native is not native:  # one set of kernels per block
         return None
     Np, Kp = w.padded_shape
     if Np != w.out_features or Kp != w.in_features:
@@ -96,7 +96,7 @@ def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: tor
     if native is None:
         return None
     dim, H, Hkv, D, hidden = dims
-    linears = [_linear(*p) for p in (qkv, o, gate_up, down)]
+    linears = [_linear(*p, native) for p in (qkv, o, gate_up, down)]
     shapes = [((H + 2 * Hkv) * D, dim), (dim, H * D), (2 * hidden, dim), (dim, hidden)]
     if any(l is None or (l.N, l.K) != s for l, s in zip(linears, shapes)):
         return None

@@ -120,7 +120,7 @@ typedef struct {
     lowbit_linear qkv, o, gate_up, down;  /* qkv: [(H + 2 Hkv) D, dim]; gate_up: [2 hidden, dim] */
 } lowbit_block;
 
-/* One side (K or V) of one layer of the paged pool (runtime/kv_cache.py), as stored (codes points at
+/* One side (K or V) of one layer of the paged pool (runtime/engine/kv_cache.py), as stored (codes points at
  * a float side's data): bits 32: fp32 data [P, Hkv, page, D]; 16: fp16 data [P, Hkv, page, D]; 8: int8
  * codes [P, Hkv, page, D], fp16 scales [P, Hkv, page, D/group] (x = d q); 4: uint8 codes
  * [P, Hkv, page, D/2] (low nibble first), fp16 scales and mins [P, Hkv, page, D/group] (x = d u + m). */

@@ -74,8 +74,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out_dtype: torch.dtype | None = None, *, native) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU backend's op (`native`: its C kernels, or None): lowbit's C row loop (kernels/cpu_block.c) for fp32 [M, D] rows — residual
-    updated in place, as here on CUDA — else (no C kernels, other dtypes or shapes) the spec below."""
+    """The CPU backend's op (`native`: its C kernels, or None): lowbit's C row loop (kernels/cpu_block.c)
+    for fp32 [M, D] rows — residual updated in place, as here on CUDA — else (no C kernels, other
+    dtypes or shapes) the spec below."""
     if native is None or x.dim() != 2 or x.dtype != torch.float32 or x.stride(-1) != 1 or (
             residual is not None and not residual.is_contiguous()):
         return add_rms_norm_ref(x, residual, weight, eps, out_dtype)

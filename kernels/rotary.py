@@ -86,9 +86,9 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 def rotary_cpu(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                *, native) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU backend's op (`native`: its C kernels, or None): lowbit's C loop (kernels/cpu_block.c), in place, for fp32 q/k with a
-    contiguous last dim — the spec's arithmetic exactly (two products and a sum, no FMA) — else the
-    spec below."""
+    """The CPU backend's op (`native`: its C kernels, or None): lowbit's C loop (kernels/cpu_block.c), in
+    place, for fp32 q/k with a contiguous last dim — the spec's arithmetic exactly (two products and a
+    sum, no FMA) — else the spec below."""
     if native is None or any(t.dtype != torch.float32 or t.dim() != 3 or t.stride(2) != 1 for t in (q, k)) \
             or not (cos.is_contiguous() and sin.is_contiguous()):
         return rotary_ref(q, k, cos, sin)

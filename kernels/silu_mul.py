@@ -55,8 +55,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor, *, native) -> torch.Tensor:
-    """The CPU backend's op (`native`: its C kernels, or None): lowbit's C loop (kernels/cpu_block.c, libm's expf) for fp32 [M, I] with a
-    contiguous last dim, else the spec below."""
+    """The CPU backend's op (`native`: its C kernels, or None): lowbit's C loop (kernels/cpu_block.c,
+    exp 8 lanes at a time) for fp32 [M, I] with a contiguous last dim, else the spec below."""
     if native is None or gate.dim() != 2 or gate.dtype != torch.float32 or up.dtype != torch.float32 \
             or gate.shape != up.shape or gate.stride(1) != 1 or up.stride(1) != 1:
         return silu_mul_ref(gate, up)

@@ -1,8 +1,8 @@
 """The engine over the paged KV pool: exactness against full recompute, batch invariance, finish
 reasons, prefix caching, page accounting, the async API, and the KV formats' bytes and quality.
 
-Oracle for the tiny random model: greedy decoding recomputed from scratch at every step with the
-contiguous fp32 cache and exact fp32 matmuls (as in tests/test_generate.py).
+Oracle for the tiny random model: greedy decoding recomputed from scratch at every step, one pass
+into a fresh f32 pool with exact fp32 matmuls (tests/helpers.py forward; as in tests/test_verified_greedy.py).
 """
 
 from __future__ import annotations

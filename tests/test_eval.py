@@ -49,7 +49,7 @@ def test_reference_row_kl_ppl_and_a_finer_format_diverges_less():
         lp = window_logprobs(ref, w, "f16")
         nll += [-float(lp[t - 1, w[t]]) for t in range(CTX // 2, CTX)]
     assert base["ppl"] == floor.ppl and math.isclose(floor.ppl, math.exp(sum(nll) / len(nll)), rel_tol=1e-12)
-    # ... and against an independent pass: contiguous fp32 cache, no pages (f16 storage moves it a little)
+    # ... and against an independent pass: an f32 pool (f16 storage moves it a little)
     nll2 = []
     for w in windows(ids, CTX, None):
         lp = forward(ref, torch.tensor([w]), exact=True)[0].log_softmax(-1)

@@ -157,7 +157,7 @@ def test_preemption_and_abort_with_drafts_in_flight(target, byte_tokenizer):
 @torch.inference_mode()
 def _marginals(model: Llama, prompt: list[int], temperature: float, n: int = 3) -> list[torch.Tensor]:
     """The model's own distributions of the first n (2 or 3) sampled tokens, marginalized over the
-    earlier ones, computed directly (contiguous fp32 cache, every continuation in one batch)."""
+    earlier ones, computed directly (fresh f32 pools, every continuation in one batch)."""
     V = CFG.vocab_size
 
     def next_probs(seqs: torch.Tensor) -> torch.Tensor:  # [B, T] → [B, V]

@@ -93,6 +93,14 @@ def test_verified_greedy_on_the_triton_backend(seed, device):
 
     verified = EngineConfig(kv_format="f32", kv_memory=1 << 20, speculative=VERIFIED_GREEDY)
     assert reply(verified, SamplingParams(temperature=0, max_tokens=12)) == want
+    # beside a sampled request in the same steps: its rows are fast, the verified ones still exact
+    engine = Engine(model, tok, verified)
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12))
+    engine.add_request(prompt[::-1], SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True))
+    together = []
+    while engine.has_work():
+        together += [t for d in engine.step() if d.request_id == rid for t in d.token_ids]
+    assert together == want
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=8)
     a, b = (reply(EngineConfig(kv_memory=1 << 20), sampled) for _ in range(2))
     assert a == b and len(a) > 0

@@ -186,3 +186,29 @@ def test_stream_detokenizer_releases_only_whole_characters():
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert pieces[data.index("🤖".encode()) + 3] == "🤖"  # emitted with its 4th byte, not before
+
+
+def test_a_verified_request_attaches_no_cached_pages():
+    """A page another request's fast kernels computed is never read by a verified one: after a
+    sampled request, a greedy one whose prompt extends that request's text recomputes it all (no
+    cached tokens) and still gives the exact greedy tokens."""
+    model, tok = tiny_model(2), ByteTokenizer()
+    engine = verified_engine(model, tok)
+    prompt = list(range(10, 42))  # 32 tokens: two full pages the prefix cache would keep
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.9, seed=1, max_tokens=16, ignore_eos=True))
+    sampled = []
+    while engine.has_work():
+        sampled += [t for d in engine.step() if d.request_id == rid for t in d.token_ids]
+    follow = prompt + sampled
+    engine.add_request(follow, SamplingParams(temperature=0, max_tokens=8))
+    out, usage = [], None
+    while engine.has_work():
+        for d in engine.step():
+            out += d.token_ids
+            usage = d.usage or usage
+    assert usage.cached_tokens == 0 and out == exact_greedy(model, follow, 8, tok.eos_ids)
+
+
+def test_verified_greedy_cannot_be_told_to_skip_the_exact_path():
+    with pytest.raises(ValueError, match="exact=False"):
+        EngineConfig(exact=False, speculative=VERIFIED_GREEDY)

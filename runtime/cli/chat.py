@@ -17,13 +17,14 @@ from lowbit.runtime.cli.engine_args import add_engine_args, add_model_args
 from lowbit.runtime.ports import free_port
 
 
+KEYS = ("Enter send, Ctrl+J newline, Esc stop, Ctrl+N new chat, Ctrl+R regenerate, Ctrl+L copy reply, "
+        "Ctrl+B copy code block, Ctrl+S settings, Ctrl+O history, Ctrl+Q quit")
+
+
 def add_chat_parser(sub) -> None:
-    chat = sub.add_parser("chat", help="chat in the terminal (Textual app), streaming replies",
-                          description="A terminal chat app. Without --base-url it loads MODEL and serves it "
-                                      "in-process on a free loopback port; with --base-url it talks to any "
-                                      "OpenAI-compatible server. Keys: Enter send, Ctrl+J newline, Esc stop, "
-                                      "Ctrl+N new chat, Ctrl+R regenerate, Ctrl+L copy reply, Ctrl+B copy code "
-                                      "block, Ctrl+S settings, Ctrl+O history, Ctrl+Q quit.")
+    about = ("A terminal chat app. Without --base-url it loads MODEL and serves it in-process on a free loopback "
+             "port; with --base-url it talks to any OpenAI-compatible server. Keys: " + KEYS + ".")
+    chat = sub.add_parser("chat", help="chat in the terminal (Textual app), streaming replies", description=about)
     chat.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                       help="alias, .gguf path or HF directory (same as --model)")
     add_model_args(chat)

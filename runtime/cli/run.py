@@ -10,6 +10,8 @@ from lowbit.runtime.cli.engine_args import (SPECULATIVE_HELP, add_kv_args, add_m
                                             load_model, parse_size, parse_speculative)
 from lowbit.runtime.errors import LowbitError
 
+VERIFY_SLACK = 32  # tokens past the reply: a block of drafts (15) and page rounding (16)
+
 
 @dataclass
 class GenerationResult:
@@ -42,8 +44,9 @@ def add_run_parser(sub) -> None:
     run.add_argument("--fast-greedy", action="store_true",
                      help="with --temperature 0, skip the exact verification of greedy tokens (faster; the fast "
                           "kernels' rounding may then pick the other token of a near-tie)")
-    add_kv_args(run, SPECULATIVE_HELP + "; with --temperature 0 the reply goes through the engine, as with "
-                                        "--fast-greedy")
+    add_kv_args(run, SPECULATIVE_HELP + "; with --temperature 0 it replaces verified greedy (as --fast-greedy "
+                                        "does) and --kv-cache applies; verified greedy runs on an f32 cache "
+                                        "sized to the prompt and reply")
 
 
 def cmd_run(args) -> int:
@@ -85,7 +88,9 @@ def cmd_run(args) -> int:
     # (so the exact pass reads back exactly what it wrote); with --tp, greedy is the fast kernels' own
     verified = args.temperature == 0 and not args.fast_greedy and spec is None and args.tp == 1
     if verified:
-        config, kv = dataclasses.replace(config, kv_format="f32", speculative=VERIFIED_GREEDY), "f32 (verified greedy)"
+        config = dataclasses.replace(config, kv_format="f32", speculative=VERIFIED_GREEDY,
+                                     kv_memory=_room(lm, len(ids) + args.max_tokens))
+        kv = "f32 (verified greedy)"
     try:
         res, spec_stats = _engine_run(lm, ids, params, config, write, draft)
     except ValueError as e:
@@ -104,6 +109,17 @@ def cmd_run(args) -> int:
           f"{len(res.token_ids)} tokens at {res.decode_tok_s:.1f} tok/s decode, finish: {res.finish_reason}{speculated}",
           file=sys.stderr)
     return 0
+
+
+def _room(lm, tokens: int) -> int:
+    """Bytes of an f32 pool that holds the prompt, the reply and a block of drafts: verified greedy's
+    pool is sized to its one request, not by --kv-memory (f32 takes 4.8x k8v4's bytes a token, so
+    --kv-memory's default would cap a 1.7B model's context at ~700 tokens)."""
+    from lowbit.quant.kv import KV_FORMATS
+
+    c = lm.config
+    per_token = KV_FORMATS["f32"].bytes_per_token(c.n_layers, lm.model.kv_heads, c.head_dim)
+    return per_token * (min(tokens, c.max_seq_len) + VERIFY_SLACK)
 
 
 def _engine_run(lm, ids, params, config, write, draft=None):

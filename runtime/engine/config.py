@@ -32,3 +32,5 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.exact is False and getattr(self.speculative, "method", None) == "verify":
+            raise ValueError("verified greedy verifies on the exact path: it cannot run with exact=False")

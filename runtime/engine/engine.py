@@ -137,7 +137,7 @@ class Engine:
         if isinstance(self.proposer, FastDrafter) and not verified:
             k = 0
         max_tokens = min(params.max_tokens, limit - len(prompt_ids))
-        seq = Sequence(request_id, list(prompt_ids), max_tokens)
+        seq = Sequence(request_id, list(prompt_ids), max_tokens, prefix_cache=not verified)
         self.scheduler.add(seq)
         self.requests[request_id] = _Request(seq, SamplingState(params, tuple(prompt_ids)),
                                              StreamDetokenizer(self.tok), StopMatcher(params.stop), grammar,
@@ -265,7 +265,11 @@ class Engine:
 
     def _run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         chunks = [self._chunk(s) for s in scheduled]
-        return self.runner.run(chunks, self.exact if self.exact is not None else exact_rows(chunks, self.model.device))
+        exact = self.exact
+        if exact is None and not self.model.backend.exact_prompts:
+            # CUDA: a step's activations share one dtype, so a step with exact rows runs exact throughout
+            exact = any(c.exact for c in chunks)
+        return self.runner.run(chunks, exact if exact is not None else exact_rows(chunks, self.model.device))
 
     def _chunk(self, s: ScheduledSeq) -> Chunk:
         """A scheduled sequence's tokens this step; a sampled one wants logits at its last position and

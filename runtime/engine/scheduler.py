@@ -61,6 +61,9 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     num_drafts: int = 0  # the last num_drafts output_ids are speculative drafts awaiting verification
+    # attach cached prefix pages on admission: False for a request whose every row must be exact
+    # (verified greedy), since a cached page may hold K/V another request computed on the fast kernels
+    prefix_cache: bool = True
 
     @property
     def all_ids(self) -> list[int]:
@@ -182,14 +185,14 @@ class Scheduler:
         """Start waiting[0]: reuse its cached prefix, schedule its first chunk. False (and it stays
         at the front) when the pages are not there; admission preempts nobody."""
         bm, ids = self.bm, seq.all_ids
-        cached = bm.match_prefix(seq.seq_id, ids)
+        cached = bm.match_prefix(seq.seq_id, ids if seq.prefix_cache else [])
         n = min(len(ids) - cached, self._budget(batch))
         slots = bm.append_slots(seq.seq_id, n)
         if slots is None:
             bm.free(seq.seq_id)
             # the same request will be matched again when it fits: count its query once
             bm.prefix_hits_tokens -= cached
-            bm.prefix_queried_tokens -= len(ids)
+            bm.prefix_queried_tokens -= len(ids) if seq.prefix_cache else 0
             if not self.running:  # the whole pool is open to it and it still does not fit
                 self._finished_in_schedule.append(self.finish(seq.seq_id, "length"))
                 return True

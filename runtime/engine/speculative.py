@@ -280,12 +280,21 @@ class FastDrafter:
         for sid, ids, k, state in items:
             end = self.pages.seq_len(sid)  # tokens with K/V: all but the pending one
             assert end == len(ids) - 1, (sid, end, len(ids))
-            slots = self.pages.append_slots(sid, k)  # positions end .. end + k - 1: pending + k - 1 drafts
+            slots = self.pages.append_slots(sid, k) if k > 0 else None  # positions end .. end + k - 1
             if slots is None:  # the pool is short: this step decodes the pending token alone
                 continue
             p = state.params
             stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
             runs[sid] = (end, slots, [ids[-1]], stops)
+        try:
+            return {sid: Proposal(d) for sid, d in self._draft(runs).items()}
+        finally:  # the reserved slots go back whatever happened
+            for sid, (end, _, _, _) in runs.items():
+                self.pages.truncate(sid, end)
+
+    def _draft(self, runs: dict) -> dict[str, list[int]]:
+        """One batched fast single-token step per draft: runs[sid] = (its length, reserved slots, its
+        tokens to run, stop ids) → each sequence's drafts."""
         drafts: dict[str, list[int]] = {sid: [] for sid in runs}
         live = list(runs)
         while live:
@@ -303,9 +312,7 @@ class FastDrafter:
                 if len(drafts[sid]) < len(slots) and tok not in stops:
                     nxt.append(sid)
             live = nxt
-        for sid, (end, _, _, _) in runs.items():
-            self.pages.truncate(sid, end)
-        return {sid: Proposal(d) for sid, d in drafts.items()}
+        return drafts
 
 
 # ---- verification ----------------------------------------------------------------------------------

@@ -182,7 +182,6 @@ def llama_cpp_variants(gguf: str, kv_pairs: list[tuple[str, str]], config, ctx: 
 
 def decode_tps(model, tokenizer, kv: str, n: int = 32) -> float:
     """Single-stream decode tok/s through the engine (greedy, fast kernels), after a short prompt."""
-    from lowbit.runtime.engine.config import EngineConfig
     from lowbit.runtime.engine.engine import Engine
     from lowbit.runtime.engine.sampler import SamplingParams
 
