@@ -7,7 +7,7 @@
     k8v4   int8, one scale per 64      int4 asym, scale+min per 32 106                        0.41
     k4v4   int4 asym, per 32           int4 asym, per 32           80                         0.31
 
-Why this granularity. Measured 2026-11-30 on the default model, WikiText-2 test, 512 tokens in
+Why this granularity. Measured on the default model (docs/quality.md), WikiText-2 test, 512 tokens in
 chunks of 16, every token attending over the quantized cache; mean KL against the f16 cache over
 all 512 tokens. The alternatives were measured by a one-off simulation (K/V quantized and
 dequantized just before attention in the exact forward pass; the script was not kept), which gave
@@ -23,7 +23,7 @@ dequantized just before attention in the exact forward pass; the script was not 
 - Groups: 64 (a whole head) for 8-bit keys costs 0.25 bits per value and was as good as 32;
   4-bit values need 32 (0.0078 at 64). Values are the limit: with f16 keys, V4 alone gave 0.0056.
 The acceptance figure, scored like llama-perplexity (second half of the window), is in
-tests/test_kv_quality.py: k8v4 0.00477 — inside the issue's 0.005 by 5%, a thin margin.
+tests/test_kv_quality.py: k8v4 0.00477 — inside its 0.005 bar by 5%, a thin margin.
 
 f32 is the exact reference cache, which saves no memory: K and V stored as the fp32 values the
 model computed, so attention over the paged pool reads exactly what was written — the numbers of an
