@@ -44,6 +44,9 @@ class ByteTokenizer:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
         return self.encode(text)
 
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return "".join(self.token_bytes(i).decode() for i in ids)
+
 
 @pytest.fixture(scope="module")
 def server():
@@ -412,3 +415,101 @@ def test_failure_after_the_stream_began_is_an_error_event(server, client):
         engine._run = run
     assert client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=2).choices
     assert engine.blocks.num_used_pages == 0
+
+
+# ---- the port beyond chat: CORS, model aliases, /tokenize and /detokenize ------------------------------
+
+
+@pytest.fixture(scope="module")
+def port(server):
+    """A second app on the same model: two aliases, the default CORS origins, the same key."""
+    engine = Engine(server[0].model, ByteTokenizer(), EngineConfig(kv_memory=1 << 20, exact=True))
+    app = build_app(Served(AsyncEngine(engine), ByteTokenizer(), NAME, CTX, None, ("tiny-a", "tiny-b")), api_key=KEY)
+    with serving(app) as base:
+        yield base
+
+
+def _preflight(base: str, origin: str) -> httpx.Response:
+    return httpx.options(base + "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+@pytest.mark.parametrize("origin", ["http://localhost:5173", "http://127.0.0.1:8080", "https://localhost"])
+def test_cors_lets_this_machines_pages_call_the_port(port, origin):
+    pre = _preflight(port, origin)  # no key: a browser sends none with a preflight
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == origin
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    keyless = httpx.post(port + "/v1/chat/completions", json=body, headers={"Origin": origin})
+    assert keyless.status_code == 401 and keyless.headers["access-control-allow-origin"] == origin
+    ok = httpx.post(port + "/v1/chat/completions", json=body,
+                    headers={"Origin": origin, "Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == origin
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "http://localhost.evil.example:80", "null"])
+def test_cors_refuses_other_origins(port, origin):
+    pre = _preflight(port, origin)
+    assert pre.status_code == 400 and "access-control-allow-origin" not in pre.headers
+
+
+def test_cors_origins_given_replace_the_default(server):
+    engine = server[0]
+    for origins, allowed, refused in ((["https://chat.example.com"], "https://chat.example.com", "http://localhost:3000"),
+                                      (["*"], "http://anything.example", None)):
+        app = build_app(Served(AsyncEngine(Engine(engine.model, ByteTokenizer(), EngineConfig(kv_memory=1 << 20))),
+                               ByteTokenizer(), NAME, CTX), cors_origins=origins)
+        with serving(app) as base:
+            assert _preflight(base, allowed).headers.get("access-control-allow-origin") in (allowed, "*")
+            if refused:
+                assert _preflight(base, refused).status_code == 400
+
+
+def test_cors_origins_flag_is_checked():
+    from lowbit.runtime.cli.serve import cors_origins
+    from lowbit.runtime.errors import LowbitError
+
+    assert cors_origins(None) is None and cors_origins("*") == ["*"]
+    assert cors_origins("http://a.example:8080/, https://b.example") == ["http://a.example:8080", "https://b.example"]
+    for bad in ("a.example", "http://a.example/path", " , "):
+        with pytest.raises(LowbitError, match="--cors-origins"):
+            cors_origins(bad)
+
+
+def test_model_aliases_are_served_and_listed(port):
+    c = openai.OpenAI(base_url=port + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    assert [m.id for m in c.models.list().data] == [NAME, "tiny-a", "tiny-b"]
+    assert c.models.retrieve("tiny-b").id == "tiny-b"
+    for name in (NAME, "tiny-a"):
+        r = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.choices[0].message.content is not None
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="tiny-c", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert "tiny-c" in str(e.value) and "tiny-a" in str(e.value)
+
+
+def test_tokenize_and_detokenize(port):
+    tok, auth = ByteTokenizer(), {"Authorization": f"Bearer {KEY}"}
+
+    def post(path, body):
+        return httpx.post(port + path, json=body, headers=auth)
+
+    r = post("/tokenize", {"model": "tiny-a", "prompt": "Hello"}).json()
+    assert r == {"tokens": tok.encode("Hello"), "count": 5, "max_model_len": CTX}
+    assert post("/tokenize", {"content": "Hello"}).json()["tokens"] == tok.encode("Hello")  # llama-server's key
+    msgs = [{"role": "user", "content": "hi"}]
+    assert post("/tokenize", {"messages": msgs}).json()["tokens"] == tok.encode_chat(msgs)
+    assert post("/tokenize", {"messages": msgs, "add_generation_prompt": False}).json()["tokens"] == \
+        tok.encode_chat(msgs, add_generation_prompt=False)
+    back = post("/detokenize", {"tokens": tok.encode("Hello")}).json()
+    assert back == {"prompt": "Hello", "content": "Hello"}
+    for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {}, "content"),
+                              ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+                              ("/tokenize", {"messages": []}, "messages"),
+                              ("/detokenize", {"tokens": [1, "a"]}, "tokens"),
+                              ("/detokenize", {"tokens": [VOCAB]}, "tokens")):
+        bad = post(path, body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, body, bad.text)
+    assert httpx.post(port + "/tokenize", json={"prompt": "x"}).status_code == 401
+    assert post("/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404

@@ -145,7 +145,7 @@ def load_served(args, kv_memory, progress: bool | None = None):
     lm = load_model(model_ref, args, progress)
     draft = load_draft(spec, lm, args.device, args.dtype)
     engine = Engine(lm.model, lm.tokenizer, engine_config(args, kv_memory, spec), draft_model=draft)
-    name = getattr(args, "served_model_name", None) or lm.path.name
-    return Served(AsyncEngine(engine), lm.tokenizer, name, engine.max_model_len,
+    names = getattr(args, "served_model_name", None) or [lm.path.name]
+    return Served(AsyncEngine(engine), lm.tokenizer, names[0], engine.max_model_len,
                   {"weights": lm.weights, "kv_cache": args.kv_cache, "device": str(lm.model.device),
-                   "speculative": args.speculative})
+                   "speculative": args.speculative}, tuple(names[1:]))

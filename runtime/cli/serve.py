@@ -20,11 +20,28 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' (default: $LOWBIT_API_KEY; none when unset)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model id clients send and /v1/models lists (default: the model's file name)")
+    serve.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                       help="the model id clients send and /v1/models lists; more names are aliases of it "
+                            "(default: the model's file name)")
+    serve.add_argument("--cors-origins", default=None, metavar="ORIGINS",
+                       help="comma-separated origins a browser page may call the port from, or * for any "
+                            "(default: http(s)://localhost and 127.0.0.1 on any port)")
     add_engine_args(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level (default info)")
+
+
+def cors_origins(text: str | None) -> list[str] | None:
+    """--cors-origins → the origins (None: the default, this machine's pages); one-line errors."""
+    if text is None:
+        return None
+    origins = [o.strip().rstrip("/") for o in text.split(",") if o.strip()]
+    for o in origins:
+        if o != "*" and not (o.startswith(("http://", "https://")) and len(o.split("/")) == 3):
+            raise LowbitError(f"--cors-origins: {o!r} is not an origin (scheme://host[:port], or *)")
+    if not origins:
+        raise LowbitError("--cors-origins is empty; give origins or *")
+    return origins
 
 
 def cmd_serve(args) -> int:
@@ -44,7 +61,7 @@ def cmd_serve(args) -> int:
     log = logging.getLogger("lowbit.server")
     kv_memory = parse_size(args.kv_memory)
     api_key = args.api_key if args.api_key is not None else (os.environ.get("LOWBIT_API_KEY") or None)
-    app = build_app(None, api_key)  # answers 503 (GET /health too) until the model is loaded
+    app = build_app(None, api_key, cors_origins(args.cors_origins))  # answers 503 until the model is loaded
     url = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
     failure: list[BaseException] = []
 

@@ -21,13 +21,15 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lowbit.runtime.engine.engine import AsyncEngine, Delta
 from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
 from lowbit.runtime.server.errors import APIError, bad_request, install_error_handlers
-from lowbit.runtime.server.request import CHAT_FIELDS, COMPLETION_FIELDS, Parsed, RequestParser
+from lowbit.runtime.server.request import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, Parsed,
+                                          RequestParser)
 from lowbit.runtime.server.response import Responder
 from lowbit.runtime.engine.sampler import SamplingParams
 from lowbit.runtime.engine.scheduler import QueueFull
@@ -43,6 +45,7 @@ class Served:
     model_name: str
     max_model_len: int
     formats: dict | None = None  # weights / kv_cache / device, listed under "lowbit" in /v1/models
+    aliases: tuple[str, ...] = ()  # more names requests may use for the model (--served-model-name A B)
 
 class AppState:
     """The app's one piece of state: loading until `ready` is called with what to serve."""
@@ -54,7 +57,7 @@ class AppState:
         self.grammars: GrammarCompiler | None = None
 
     def ready(self, served: Served) -> None:
-        self.parser = RequestParser(served.tokenizer, served.model_name, served.max_model_len)
+        self.parser = RequestParser(served.tokenizer, served.model_name, served.max_model_len, served.aliases)
         self.responder = Responder(served.tokenizer, served.model_name, lambda: served.engine.last_error)
         self.grammars = GrammarCompiler(served.tokenizer)
         self.served = served  # last: requests see a fully built state or none
@@ -66,10 +69,19 @@ class AppState:
         return self.served
 
 
-def build_app(served: Served | None = None, api_key: str | None = None) -> FastAPI:
-    """The app; with `served` None it answers 503 until `app.state.lowbit.ready(served)`."""
+# Browsers may call the port from pages served on this machine, any port (as Ollama allows by default)
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def build_app(served: Served | None = None, api_key: str | None = None,
+              cors_origins: list[str] | None = None) -> FastAPI:
+    """The app; with `served` None it answers 503 until `app.state.lowbit.ready(served)`.
+    cors_origins: the origins a browser page may call from (["*"]: any); None: LOCAL_ORIGINS. The
+    preflight needs no key (browsers send none); the request itself is checked as any other."""
     app = FastAPI(title="lowbit", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
+    origins = {"allow_origin_regex": LOCAL_ORIGINS} if cors_origins is None else {"allow_origins": cors_origins}
+    app.add_middleware(CORSMiddleware, allow_methods=["*"], allow_headers=["*"], **origins)
     state = app.state.lowbit = AppState()
     created = int(time.time())
     metrics = ServerMetrics(lambda: None if state.served is None else state.served.engine.stats())
@@ -215,8 +227,8 @@ def build_app(served: Served | None = None, api_key: str | None = None) -> FastA
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card(served: Served) -> dict:
-        card = {"id": served.model_name, "object": "model", "created": created, "owned_by": "lowbit",
+    def model_card(served: Served, name: str) -> dict:
+        card = {"id": name, "object": "model", "created": created, "owned_by": "lowbit",
                 "root": served.model_name, "max_model_len": served.max_model_len}
         if served.formats:
             card["lowbit"] = served.formats
@@ -225,16 +237,31 @@ def build_app(served: Served | None = None, api_key: str | None = None) -> FastA
     @app.get("/v1/models")
     async def models(request: Request):
         check_key(request)
-        return {"object": "list", "data": [model_card(state.require())]}
+        served = state.require()
+        return {"object": "list", "data": [model_card(served, n) for n in (served.model_name, *served.aliases)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model_info(model_id: str, request: Request):
         check_key(request)
         served = state.require()
-        if model_id != served.model_name:
+        if model_id not in (served.model_name, *served.aliases):
             raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error", "model",
                            "model_not_found")
-        return model_card(served)
+        return model_card(served, model_id)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        check_key(request)
+        served = state.require()
+        ids = state.parser.tokenize(state.parser.body(await request.body(), TOKENIZE_FIELDS))
+        return {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        check_key(request)
+        state.require()
+        text = state.parser.detokenize(state.parser.body(await request.body(), DETOKENIZE_FIELDS))
+        return {"prompt": text, "content": text}  # vLLM's name, llama-server's
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -30,6 +30,9 @@ _COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "stop", "logi
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                          "function_call", *_COMMON})
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix", *_COMMON})
+# /tokenize as vLLM ("prompt" or "messages") and llama-server ("content") take it
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "content", "messages", "add_generation_prompt", "add_special_tokens"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 _ROLES = ("system", "user", "assistant", "developer")
 _PARAMS_FIELDS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop", "logprobs"}
@@ -51,8 +54,10 @@ class Parsed:
 
 
 class RequestParser:
-    def __init__(self, tokenizer, model_name: str, max_model_len: int):
+    def __init__(self, tokenizer, model_name: str, max_model_len: int, aliases: tuple[str, ...] = ()):
+        """model_name: the id responses carry; a request may name it or any of `aliases`."""
         self.tok, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
+        self.names = (model_name, *aliases)
 
     def body(self, raw: bytes, fields: frozenset[str]) -> dict:
         try:
@@ -65,8 +70,9 @@ class RequestParser:
         if unknown:
             log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
         model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model '{model}' does not exist (this server serves '{self.model_name}').",
+        if model is not None and model not in self.names:
+            raise APIError(404, f"The model '{model}' does not exist (this server serves "
+                                f"{', '.join(repr(n) for n in self.names)}).",
                            "invalid_request_error", "model", "model_not_found")
         return body
 
@@ -112,6 +118,34 @@ class RequestParser:
         return self._parsed(body, False, ids, params)
 
     # ---- pieces -----------------------------------------------------------------------------------
+
+    def tokenize(self, body: dict) -> list[int]:
+        """/tokenize: `prompt` (or `content`) as text, special tokens added unless
+        add_special_tokens is false; or `messages` through the chat template."""
+        if "messages" in body:
+            gen = body.get("add_generation_prompt", True)
+            if not isinstance(gen, bool):
+                raise bad_request("add_generation_prompt must be a boolean", "add_generation_prompt")
+            try:
+                return self.tok.encode_chat(self._messages(body), add_generation_prompt=gen)
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from None
+        key = "prompt" if "prompt" in body else "content"
+        text, special = body.get(key), body.get("add_special_tokens", True)
+        if not isinstance(text, str):
+            raise bad_request(f"{key} must be a string (or give messages)", key)
+        if not isinstance(special, bool):
+            raise bad_request("add_special_tokens must be a boolean", "add_special_tokens")
+        return self.tok.encode(text, add_special=special)
+
+    def detokenize(self, body: dict) -> str:
+        ids = body.get("tokens")
+        vocab = self.tok.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad_request("tokens must be a list of token ids", "tokens")
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"tokens: every id must be in 0..{vocab - 1}", "tokens")
+        return self.tok.decode(ids)
 
     def _parsed(self, body: dict, chat: bool, ids: list[int], params: SamplingParams) -> Parsed:
         n = body.get("n")
