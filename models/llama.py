@@ -146,15 +146,16 @@ class Llama(nn.Module):
         return self.backend.device
 
     def forward_paged(self, tokens: torch.Tensor, batch: PagedBatch, pool,
-                      exact: bool | None | ExactRows = None) -> torch.Tensor:
+                      exact: bool | None | ExactRows = None, hidden: bool = False) -> torch.Tensor:
         """The engine's step: tokens int [M] of several sequences (see PagedBatch), K/V written to
-        and read from the paged pool (runtime/engine/kv_cache.py) → logits fp32 [R, V] for batch.logits_rows."""
+        and read from the paged pool (runtime/engine/kv_cache.py) → logits fp32 [R, V] for batch.logits_rows,
+        or with `hidden` the final normed hidden states fp32 [R, dim] instead (embeddings)."""
         cos, sin = rope_tables(self.inv_freq, batch.positions)  # [M, D]
         attend = PagedAttention(pool, batch, self.config.sliding_window, self.backend)
-        return self._run(tokens, cos, sin, attend, batch.logits_rows, exact)
+        return self._run(tokens, cos, sin, attend, batch.logits_rows, exact, hidden)
 
     def _run(self, tokens: torch.Tensor, cos, sin, attend, rows: torch.Tensor | None,
-             exact: bool | None | ExactRows) -> torch.Tensor:
+             exact: bool | None | ExactRows, hidden: bool = False) -> torch.Tensor:
         """tokens [M] → logits fp32 [M, V], or [len(rows), V] for the rows asked for. `exact` may
         choose per row (ExactRows); activations are then in the backend's dtype (fp32 on CPU)."""
         dtype = torch.float32 if exact is True else self.backend.dtype
@@ -175,6 +176,8 @@ class Llama(nn.Module):
             if isinstance(exact, ExactRows):
                 exact = exact.take(rows)
         h, _ = self.backend.add_rms_norm(delta, residual, self.norm, self.config.norm_eps, dtype)
+        if hidden:  # the residual stream is the same on every tensor-parallel rank: no collective
+            return h.float()
         logits = self.output(h, exact, torch.float32)  # fp32 logits: no fp16 rounding
         return logits if self.tp is None else self.tp.gather_vocab(logits, self.config.vocab_size)
 

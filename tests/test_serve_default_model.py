@@ -113,3 +113,30 @@ def test_async_client_concurrent_streams(served, model_id):
     together, alone = asyncio.run(main())
     assert len(set(together)) == len(questions) and "Paris" in together[0] and "4" in together[2]
     assert together == alone  # the kernel path is chosen per token, not by the batch (runtime/engine/engine.py)
+
+
+def test_embeddings_of_the_default_model(client, model_id):
+    """`client.embeddings.create`: a text's embedding batched with others equals it alone, and its
+    cosine with itself is 1 within 1e-5; related sentences sit closer than unrelated ones."""
+    import numpy as np
+
+    texts = ["The cat sat on the mat.", "A cat is sitting on a mat.", "Quarterly revenue rose by 4 percent."]
+    batch = np.array([d.embedding for d in client.embeddings.create(model=model_id, input=texts + texts[:1]).data])
+    alone = np.array([client.embeddings.create(model=model_id, input=t).data[0].embedding for t in texts])
+    assert batch.shape == (4, 576)
+    np.testing.assert_allclose(batch[:3], alone, atol=1e-6)
+    assert float(batch[0] @ batch[3]) == pytest.approx(1.0, abs=1e-5)
+    assert float(batch[0] @ batch[1]) > float(batch[0] @ batch[2])
+
+
+def test_cors_preflight_and_tokenize_on_the_real_command(served, model_id):
+    import httpx
+
+    base = served[0]
+    pre = httpx.options(base + "/v1/chat/completions", headers={"Origin": "http://localhost:3000",
+                                                                "Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(base + "/tokenize", json={"model": model_id, "prompt": "Hello world"}, headers=auth).json()
+    back = httpx.post(base + "/detokenize", json={"tokens": r["tokens"]}, headers=auth).json()
+    assert r["count"] == len(r["tokens"]) > 0 and back["prompt"].endswith("Hello world")

@@ -513,3 +513,53 @@ def test_tokenize_and_detokenize(port):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, body, bad.text)
     assert httpx.post(port + "/tokenize", json={"prompt": "x"}).status_code == 401
     assert post("/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
+
+
+def test_embeddings_through_the_openai_client(port):
+    """Unit vectors of the model's hidden size; a text's embedding is the same alone and batched with
+    others (cosine 1 within 1e-5, here bit for bit: the exact prefill's rows are independent), token
+    arrays embed as their text does, base64 carries the same floats, and usage counts the tokens."""
+    import base64
+
+    import numpy as np
+
+    c = openai.OpenAI(base_url=port + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    texts = ["the quick brown fox", "jumps over", "the lazy dog, twice: the lazy dog"]
+    batch = c.embeddings.create(model="tiny-a", input=texts + [texts[0]])
+    vecs = np.array([d.embedding for d in batch.data])
+    assert vecs.shape == (4, CFG.dim) and [d.index for d in batch.data] == [0, 1, 2, 3]
+    np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-6)
+    assert float(vecs[0] @ vecs[3]) == pytest.approx(1.0, abs=1e-5)
+    assert abs(float(vecs[0] @ vecs[1])) < 0.999  # different texts, different vectors
+    alone = [c.embeddings.create(model=NAME, input=t).data[0].embedding for t in texts]
+    np.testing.assert_array_equal(np.array(alone), vecs[:3])
+    tok = ByteTokenizer()
+    ids = c.embeddings.create(model=NAME, input=[tok.encode(texts[1])]).data[0].embedding
+    np.testing.assert_array_equal(np.array(ids), vecs[1])
+    assert batch.usage.prompt_tokens == batch.usage.total_tokens == sum(len(t) for t in texts) + len(texts[0])
+    raw = httpx.post(port + "/v1/embeddings", json={"input": texts[1], "encoding_format": "base64"},
+                     headers={"Authorization": f"Bearer {KEY}"}).json()
+    got = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_array_equal(got, vecs[1].astype(np.float32))
+
+
+def test_embeddings_pool_the_last_token_when_asked(server, port):
+    """--pooling last: the last token's state — for a one-token text the same vector as the mean,
+    for a longer one another (the mean app is `port`'s)."""
+    engine = Engine(server[0].model, ByteTokenizer(), EngineConfig(kv_memory=1 << 20))
+    app = build_app(Served(AsyncEngine(engine), ByteTokenizer(), NAME, CTX, pooling="last"))
+    mean = openai.OpenAI(base_url=port + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    with serving(app) as base:
+        last = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=30)
+        one, many = (last.embeddings.create(model=NAME, input=t).data[0].embedding for t in ("q", "abc xyz q"))
+    assert one == mean.embeddings.create(model=NAME, input="q").data[0].embedding
+    assert many != mean.embeddings.create(model=NAME, input="abc xyz q").data[0].embedding and len(many) == CFG.dim
+
+
+@pytest.mark.parametrize("body, param", [({"input": ""}, "input"), ({"input": []}, "input"), ({"input": 5}, "input"),
+                                         ({"input": [[1, VOCAB]]}, "input"), ({"input": "x" * (CTX + 1)}, "input"),
+                                         ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+                                         ({"input": "x", "dimensions": 8}, "dimensions")])
+def test_embeddings_bad_input_is_a_400_naming_the_param(port, body, param):
+    r = httpx.post(port + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -148,4 +148,4 @@ def load_served(args, kv_memory, progress: bool | None = None):
     names = getattr(args, "served_model_name", None) or [lm.path.name]
     return Served(AsyncEngine(engine), lm.tokenizer, names[0], engine.max_model_len,
                   {"weights": lm.weights, "kv_cache": args.kv_cache, "device": str(lm.model.device),
-                   "speculative": args.speculative}, tuple(names[1:]))
+                   "speculative": args.speculative}, tuple(names[1:]), getattr(args, "pooling", "mean"))

@@ -23,6 +23,9 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                        help="the model id clients send and /v1/models lists; more names are aliases of it "
                             "(default: the model's file name)")
+    serve.add_argument("--pooling", default="mean", choices=("mean", "last"),
+                       help="/v1/embeddings: mean of the final hidden states over the text's tokens, or the "
+                            "last token's (default mean)")
     serve.add_argument("--cors-origins", default=None, metavar="ORIGINS",
                        help="comma-separated origins a browser page may call the port from, or * for any "
                             "(default: http(s)://localhost and 127.0.0.1 on any port)")

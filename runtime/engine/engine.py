@@ -359,6 +359,12 @@ class AsyncEngine:
                 if self._queues.pop(rid, None) is not None and rid in self.engine.requests:
                     self.engine.abort(rid)
 
+    def exclusive(self, fn):
+        """fn() between two steps, the engine paused meanwhile (a blocking call: run it on a worker
+        thread). The model's C kernels keep per-pool state, so only one forward pass runs at a time."""
+        with self._lock:
+            return fn()
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self.engine.abort(request_id)

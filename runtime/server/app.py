@@ -14,6 +14,7 @@ mid-stream closes the merged stream, which closes every choice's engine stream, 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import time
 import uuid
@@ -25,11 +26,12 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from lowbit.runtime.engine.embedder import embed
 from lowbit.runtime.engine.engine import AsyncEngine, Delta
 from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
 from lowbit.runtime.server.errors import APIError, bad_request, install_error_handlers
-from lowbit.runtime.server.request import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, Parsed,
-                                          RequestParser)
+from lowbit.runtime.server.request import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, EMBEDDINGS_FIELDS,
+                                          TOKENIZE_FIELDS, Parsed, RequestParser)
 from lowbit.runtime.server.response import Responder
 from lowbit.runtime.engine.sampler import SamplingParams
 from lowbit.runtime.engine.scheduler import QueueFull
@@ -46,6 +48,7 @@ class Served:
     max_model_len: int
     formats: dict | None = None  # weights / kv_cache / device, listed under "lowbit" in /v1/models
     aliases: tuple[str, ...] = ()  # more names requests may use for the model (--served-model-name A B)
+    pooling: str = "mean"  # /v1/embeddings: runtime/engine/embedder.py POOLINGS
 
 class AppState:
     """The app's one piece of state: loading until `ready` is called with what to serve."""
@@ -248,6 +251,23 @@ def build_app(served: Served | None = None, api_key: str | None = None,
             raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error", "model",
                            "model_not_found")
         return model_card(served, model_id)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        check_key(request)
+        served = state.require()
+        texts, fmt = state.parser.embeddings(state.parser.body(await request.body(), EMBEDDINGS_FIELDS))
+        model = served.engine.engine.model
+        if getattr(model, "world", 1) != 1:
+            raise APIError(400, "embeddings are not served with --tp yet", "invalid_request_error", "model")
+        vectors = await asyncio.to_thread(served.engine.exclusive, lambda: embed(model, texts, served.pooling))
+        data = []
+        for i, v in enumerate(vectors.cpu()):
+            value = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        n = sum(map(len, texts))
+        return {"object": "list", "data": data, "model": served.model_name,
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -33,6 +33,7 @@ COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix", *_COMMON})
 # /tokenize as vLLM ("prompt" or "messages") and llama-server ("content") take it
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "content", "messages", "add_generation_prompt", "add_special_tokens"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+EMBEDDINGS_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 _ROLES = ("system", "user", "assistant", "developer")
 _PARAMS_FIELDS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop", "logprobs"}
@@ -137,6 +138,33 @@ class RequestParser:
         if not isinstance(special, bool):
             raise bad_request("add_special_tokens must be a boolean", "add_special_tokens")
         return self.tok.encode(text, add_special=special)
+
+    def embeddings(self, body: dict) -> tuple[list[list[int]], str]:
+        """/v1/embeddings → (each input's token ids, encoding_format). input: a string, a list of
+        strings, a token array, or a list of token arrays."""
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
+        if body.get("dimensions") is not None:
+            raise bad_request("dimensions is not supported: the embedding is the model's hidden size", "dimensions")
+        x = body.get("input")
+        is_ids = lambda v: isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool)  # noqa: E731
+                                                            for t in v)
+        if isinstance(x, str) or is_ids(x):
+            x = [x]
+        if not isinstance(x, list) or not x or not all(isinstance(v, str) or is_ids(v) for v in x):
+            raise bad_request("input must be a non-empty string, a list of strings, or token arrays", "input")
+        out = []
+        for v in x:
+            ids = self.tok.encode(v) if isinstance(v, str) else v
+            if not ids:
+                raise bad_request("input: an empty text has no tokens to embed", "input")
+            if any(not 0 <= t < self.tok.vocab_size for t in ids):
+                raise bad_request(f"input: every token id must be in 0..{self.tok.vocab_size - 1}", "input")
+            if len(ids) > self.max_model_len:
+                raise context_exceeded(self.max_model_len, len(ids), "input")
+            out.append(ids)
+        return out, fmt
 
     def detokenize(self, body: dict) -> str:
         ids = body.get("tokens")
