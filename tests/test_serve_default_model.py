@@ -140,3 +140,20 @@ def test_cors_preflight_and_tokenize_on_the_real_command(served, model_id):
     r = httpx.post(base + "/tokenize", json={"model": model_id, "prompt": "Hello world"}, headers=auth).json()
     back = httpx.post(base + "/detokenize", json={"tokens": r["tokens"]}, headers=auth).json()
     assert r["count"] == len(r["tokens"]) > 0 and back["prompt"].endswith("Hello world")
+
+
+def test_echo_logprobs_are_the_exact_models(client, model_id, default_model):
+    """What lm-eval's loglikelihood requests (`echo=True, logprobs=1, max_tokens=0`): every prompt
+    token's logprob equals the exact model's (one exact pass in this process) within 1e-4."""
+    import torch
+
+    from tests.helpers import forward
+
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    r = client.completions.create(model=model_id, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    got = r.choices[0].logprobs.token_logprobs
+    ids = default_model.tokenizer.encode(prompt, add_special=True)
+    with torch.inference_mode():
+        ref = forward(default_model.model, torch.tensor([ids]), exact=True)[0].log_softmax(-1)
+    assert len(got) == len(ids) and got[0] is None
+    assert max(abs(g - float(ref[j - 1, ids[j]])) for j, g in enumerate(got) if j) <= 1e-4

@@ -563,3 +563,55 @@ def test_embeddings_pool_the_last_token_when_asked(server, port):
 def test_embeddings_bad_input_is_a_400_naming_the_param(port, body, param):
     r = httpx.post(port + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---- echo: the prompt's own logprobs (lm-evaluation-harness's loglikelihood) ---------------------------
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_as_the_exact_model(server, client):
+    import numpy as np
+    import torch
+
+    from tests.helpers import forward
+
+    tok, prompt = ByteTokenizer(), "the cat sat on the mat"
+    ids = tok.encode(prompt)
+    r = client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    c = r.choices[0]
+    assert c.text == prompt and c.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    with torch.inference_mode():
+        ref = forward(server[0].model, torch.tensor([ids]), exact=True)[0].log_softmax(-1)  # [T, V]
+    np.testing.assert_allclose(lp.token_logprobs[1:], [float(ref[j - 1, ids[j]]) for j in range(1, len(ids))],
+                               atol=1e-4)
+    for j in range(1, len(ids)):  # the best alternative there is the exact model's argmax
+        assert max(lp.top_logprobs[j].values()) == pytest.approx(float(ref[j - 1].max()), abs=1e-4)
+    streamed = list(client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=0, max_tokens=0,
+                                              stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == prompt
+
+
+def test_echo_leads_a_generated_completion(client):
+    prompt = "abc"
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=1,
+                                      logit_bias=NO_EOS)
+    echoed = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=1,
+                                       logit_bias=NO_EOS, echo=True)
+    c = echoed.choices[0]
+    assert c.text == prompt + plain.choices[0].text
+    assert c.logprobs.tokens[len(prompt):] == plain.choices[0].logprobs.tokens
+    assert c.logprobs.token_logprobs[0] is None and all(isinstance(x, float) for x in c.logprobs.token_logprobs[1:])
+    chunks = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logit_bias=NO_EOS,
+                                       echo=True, stream=True)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
+
+
+def test_max_tokens_0_needs_echo(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="abc", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="abc", max_tokens=1, extra_body={"echo": "yes"})
+    assert e.value.body["param"] == "echo"

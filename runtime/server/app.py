@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lowbit.runtime.engine.embedder import embed
-from lowbit.runtime.engine.engine import AsyncEngine, Delta
+from lowbit.runtime.engine.scoring import prompt_logprobs
+from lowbit.runtime.engine.engine import AsyncEngine, Delta, Usage
 from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
 from lowbit.runtime.server.errors import APIError, bad_request, install_error_handlers
 from lowbit.runtime.server.request import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, EMBEDDINGS_FIELDS,
@@ -176,9 +177,44 @@ def build_app(served: Served | None = None, api_key: str | None = None,
             for s in streams:
                 await s.aclose()
 
+    async def echoed(served: Served, req: Parsed, rid: str) -> Delta:
+        """The prompt as the first delta of every choice of an `echo` request: its text, and with
+        logprobs its tokens' own (scored on the exact path, runtime/engine/scoring.py)."""
+        ids, tok = req.prompt_ids, served.tokenizer
+        lps = []
+        if req.logprobs:
+            model, top = served.engine.engine.model, req.params[0].logprobs
+            if getattr(model, "world", 1) != 1:
+                raise APIError(400, "echo with logprobs is not served with --tp yet", "invalid_request_error",
+                               "echo")
+            lps = await asyncio.to_thread(served.engine.exclusive,
+                                          lambda: prompt_logprobs(model, ids, top, tok.vocab_size))
+        finish = None if req.generate else "length"
+        usage = None if req.generate else Usage(len(ids), 0, 0)
+        return Delta(rid, tok.decode(ids), list(ids), lps, finish, usage)
+
+    async def echo_first(heads: list[Delta], events: AsyncIterator[tuple[int, Delta]] | None):
+        """Each choice's echoed prompt, then the engine's events (closed with this stream)."""
+        try:
+            for i, d in enumerate(heads):
+                yield i, d
+            if events is not None:
+                async for item in events:
+                    yield item
+        finally:
+            if events is not None:
+                await events.aclose()
+
     async def run(served: Served, req: Parsed, prefix: str):
         rid = f"{prefix}-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
+        if req.echo and not req.generate:  # scored, not generated: no engine request at all
+            head = await echoed(served, req, rid)
+            events = echo_first([head] * len(req.params), None)
+            if not req.stream:
+                return JSONResponse(await state.responder.fold(req, rid, events))
+            return StreamingResponse(state.responder.chunks(req, rid, events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         grammars = [None] * len(req.params)
         if req.schema is not None:
             try:  # the first compile builds the vocabulary's trie (~0.1 s for 49k tokens): off the event loop
@@ -200,6 +236,14 @@ def build_app(served: Served | None = None, api_key: str | None = None,
             await close_all()
             raise
         events = merged([observed(agen, first, t0, len(req.prompt_ids)) for agen, first in opened])
+        if req.echo:
+            try:
+                head = await echoed(served, req, rid)
+            except BaseException:
+                await events.aclose()
+                await close_all()
+                raise
+            events = echo_first([head] * len(req.params), events)
         if not req.stream:
             try:
                 return JSONResponse(await state.responder.fold(req, rid, events))

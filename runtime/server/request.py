@@ -52,6 +52,8 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: bool
+    echo: bool = False  # /v1/completions: the prompt leads the text (and its tokens the logprobs)
+    generate: bool = True  # False: max_tokens 0 with echo, the prompt scored and nothing generated
 
 
 class RequestParser:
@@ -115,8 +117,12 @@ class RequestParser:
         lp = body.get("logprobs")
         if lp is not None and not (_is_int(lp) and 0 <= lp <= 5):
             raise bad_request("logprobs must be an int in [0, 5]", "logprobs")
-        params = self._params(body, len(ids), "max_tokens", lp)
-        return self._parsed(body, False, ids, params)
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise bad_request("echo must be a boolean", "echo")
+        score_only = echo and body.get("max_tokens") == 0  # lm-eval's loglikelihood: the prompt alone
+        params = self._params({**body, "max_tokens": 1} if score_only else body, len(ids), "max_tokens", lp)
+        return replace(self._parsed(body, False, ids, params), echo=echo, generate=not score_only)
 
     # ---- pieces -----------------------------------------------------------------------------------
 
@@ -226,8 +232,6 @@ class RequestParser:
             if body.get(name):
                 raise bad_request(f"{name} are not supported", name)
         if not chat:
-            if body.get("echo"):
-                raise bad_request("echo is not supported", "echo")
             if body.get("best_of") not in (None, 1):
                 raise bad_request("best_of is not supported", "best_of")
             if body.get("suffix"):

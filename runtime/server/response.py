@@ -59,8 +59,9 @@ class Responder:
         for t, (l, top) in zip(d.token_ids, d.logprobs):
             s, _ = self._token_str(t)
             lp["tokens"].append(s)
-            lp["token_logprobs"].append(float(l))
-            lp["top_logprobs"].append({self._token_str(tid)[0]: float(tl) for tid, tl in top if math.isfinite(tl)})
+            lp["token_logprobs"].append(None if l is None else float(l))  # an echoed prompt's first token
+            lp["top_logprobs"].append(None if l is None else
+                                      {self._token_str(tid)[0]: float(tl) for tid, tl in top if math.isfinite(tl)})
             lp["text_offset"].append(offset)
             offset += len(s)
         return lp
