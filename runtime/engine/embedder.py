@@ -11,28 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.quant.kv import KV_FORMATS
-from lowbit.runtime.engine.kv_cache import KVPool
-from lowbit.runtime.engine.runner import Chunk, prepare
+from lowbit.runtime.engine.runner import fresh_pool, prepare
 
 POOLINGS = ("mean", "last")
 
 
 @torch.inference_mode()
-def embed(model, texts: list[list[int]], pooling: str = "mean", page_size: int = 16) -> torch.Tensor:
+def embed(model, texts: list[list[int]], pooling: str = "mean") -> torch.Tensor:
     """texts: token ids of each (non-empty) → fp32 [len(texts), dim], each row of unit length."""
     if pooling not in POOLINGS:
         raise ValueError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
-    c = model.config
-    chunks, first = [], 0
-    for ids in texts:
-        n = -(-len(ids) // page_size)
-        pages = list(range(first, first + n))
-        slots = [pages[p // page_size] * page_size + p % page_size for p in range(len(ids))]
-        chunks.append(Chunk(list(ids), 0, slots, pages, logits=len(ids) if pooling == "mean" else 1))
-        first += n
-    pool = KVPool(KV_FORMATS["f32"], c.n_layers, model.kv_heads, c.head_dim, num_pages=max(first, 1),
-                  page_size=page_size, device=model.device)
+    pool, chunks = fresh_pool(model, texts, [len(t) if pooling == "mean" else 1 for t in texts])
     tokens, batch = prepare(chunks, model.device)
     exact = True if model.backend.exact_prompts else None
     h = model.forward_paged(tokens, batch, pool, exact, hidden=True)  # [R, dim]: each chunk's wanted rows

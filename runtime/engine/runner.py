@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.models.attention import PagedBatch
+from lowbit.quant.kv import KV_FORMATS
 from lowbit.quant.linear import ExactRows
+from lowbit.runtime.engine.kv_cache import KVPool
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,23 @@ def prepare(chunks: list[Chunk], device: torch.device | str) -> tuple[torch.Tens
     batch = paged_batch(positions, slots, [len(c.tokens) for c in chunks], [c.start + len(c.tokens) for c in chunks],
                         [c.pages for c in chunks], rows, [c.one_by_one for c in chunks], device)
     return torch.tensor(tokens, dtype=torch.long, device=device), batch
+
+
+def fresh_pool(model, texts: list[list[int]], logits: list[int] | None = None, kv_format: str = "f32",
+               page_size: int = 16) -> tuple[KVPool, list[Chunk]]:
+    """Each text whole, from position 0, on pages of its own in a new pool just large enough → (the
+    pool, one chunk per text); logits: the rows each wants (default: all of them). One-off passes
+    (embeddings, prompt scoring) use it with the lossless f32 format."""
+    chunks, first = [], 0
+    for i, ids in enumerate(texts):
+        pages = list(range(first, first + -(-len(ids) // page_size)))
+        slots = [pages[p // page_size] * page_size + p % page_size for p in range(len(ids))]
+        chunks.append(Chunk(list(ids), 0, slots, pages, logits=len(ids) if logits is None else logits[i]))
+        first += len(pages)
+    c = model.config
+    pool = KVPool(KV_FORMATS[kv_format], c.n_layers, model.kv_heads, c.head_dim, num_pages=max(first, 1),
+                  page_size=page_size, device=model.device)
+    return pool, chunks
 
 
 def exact_rows(chunks: list[Chunk], device: torch.device | str) -> bool | ExactRows:

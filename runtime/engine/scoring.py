@@ -10,26 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.quant.kv import KV_FORMATS
-from lowbit.runtime.engine.kv_cache import KVPool
-from lowbit.runtime.engine.runner import Chunk, Runner
+from lowbit.runtime.engine.runner import Runner, fresh_pool
 from lowbit.runtime.engine.sampler import mask_padding
 
 
 @torch.inference_mode()
-def prompt_logprobs(model, ids: list[int], top: int, vocab_size: int,
-                    page_size: int = 16) -> list[tuple[float | None, list[tuple[int, float]]]]:
+def prompt_logprobs(model, ids: list[int], top: int,
+                    vocab_size: int) -> list[tuple[float | None, list[tuple[int, float]]]]:
     """→ per prompt token (logprob of it given the tokens before, its `top` most likely alternatives
     there); the first token has none: (None, [])."""
     if len(ids) < 2:
         return [(None, [])]
-    c = model.config
-    pages = list(range(-(-len(ids) // page_size)))
-    pool = KVPool(KV_FORMATS["f32"], c.n_layers, model.kv_heads, c.head_dim, num_pages=len(pages),
-                  page_size=page_size, device=model.device)
-    slots = [pages[p // page_size] * page_size + p % page_size for p in range(len(ids))]
+    pool, chunks = fresh_pool(model, [ids])
     # logits of positions 0..T-2 predict tokens 1..T-1; the last position's would predict the reply
-    logits = Runner(model, pool).run([Chunk(list(ids), 0, slots, pages, logits=len(ids))], True)[:-1]  # [T-1, V]
+    logits = Runner(model, pool).run(chunks, True)[:-1]  # [T-1, V]
     lp = mask_padding(logits, vocab_size).log_softmax(-1)  # [T - 1, V]
     target = torch.tensor(ids[1:], device=lp.device)
     chosen = lp.gather(1, target[:, None])[:, 0].tolist()

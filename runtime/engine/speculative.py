@@ -276,7 +276,7 @@ class FastDrafter:
 
     def propose(self, items: list[tuple[str, list[int], int, SamplingState]]) -> dict[str, Proposal]:
         """items: (seq id, all token ids with the pending one last, most drafts, sampling state)."""
-        runs: dict[str, tuple[int, list[int], list[int], frozenset[int]]] = {}
+        runs: dict[str, tuple[int, list[int], list[int], frozenset[int], list[int]]] = {}
         for sid, ids, k, state in items:
             end = self.pages.seq_len(sid)  # tokens with K/V: all but the pending one
             assert end == len(ids) - 1, (sid, end, len(ids))
@@ -285,28 +285,28 @@ class FastDrafter:
                 continue
             p = state.params
             stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
-            runs[sid] = (end, slots, [ids[-1]], stops)
+            runs[sid] = (end, slots, [ids[-1]], stops, self.pages.block_table(sid))  # pages fixed while drafting
         try:
             return {sid: Proposal(d) for sid, d in self._draft(runs).items()}
         finally:  # the reserved slots go back whatever happened
-            for sid, (end, _, _, _) in runs.items():
+            for sid, (end, *_) in runs.items():
                 self.pages.truncate(sid, end)
 
     def _draft(self, runs: dict) -> dict[str, list[int]]:
         """One batched fast single-token step per draft: runs[sid] = (its length, reserved slots, its
-        tokens to run, stop ids) → each sequence's drafts."""
+        tokens to run, stop ids, its pages) → each sequence's drafts."""
         drafts: dict[str, list[int]] = {sid: [] for sid in runs}
         live = list(runs)
         while live:
             chunks = []
             for sid in live:
-                end, slots, toks, _ = runs[sid]
+                end, slots, toks, _, table = runs[sid]
                 i = len(drafts[sid])
-                chunks.append(Chunk([toks[i]], end + i, [slots[i]], self.pages.block_table(sid)))
+                chunks.append(Chunk([toks[i]], end + i, [slots[i]], table))
             logits = mask_padding(self.runner.run(chunks, False), self.vocab)  # [len(live), V]
             nxt = []
             for sid, tok in zip(live, logits.argmax(-1).tolist()):
-                end, slots, toks, stops = runs[sid]
+                _, slots, toks, stops, _ = runs[sid]
                 drafts[sid].append(tok)
                 toks.append(tok)
                 if len(drafts[sid]) < len(slots) and tok not in stops:

@@ -177,18 +177,23 @@ def build_app(served: Served | None = None, api_key: str | None = None,
             for s in streams:
                 await s.aclose()
 
+    async def one_pass(served: Served, what: str, param: str, fn):
+        """fn(model) on a worker thread, between two engine steps: a forward pass of its own (embeddings,
+        prompt scoring), which the tensor-parallel ranks would not follow."""
+        model = served.engine.engine.model
+        if getattr(model, "world", 1) != 1:
+            raise APIError(400, f"{what}: not served with --tp yet", "invalid_request_error", param)
+        return await asyncio.to_thread(served.engine.exclusive, lambda: fn(model))
+
     async def echoed(served: Served, req: Parsed, rid: str) -> Delta:
         """The prompt as the first delta of every choice of an `echo` request: its text, and with
         logprobs its tokens' own (scored on the exact path, runtime/engine/scoring.py)."""
         ids, tok = req.prompt_ids, served.tokenizer
         lps = []
         if req.logprobs:
-            model, top = served.engine.engine.model, req.params[0].logprobs
-            if getattr(model, "world", 1) != 1:
-                raise APIError(400, "echo with logprobs is not served with --tp yet", "invalid_request_error",
-                               "echo")
-            lps = await asyncio.to_thread(served.engine.exclusive,
-                                          lambda: prompt_logprobs(model, ids, top, tok.vocab_size))
+            top = req.params[0].logprobs
+            lps = await one_pass(served, "echo with logprobs", "echo",
+                                 lambda model: prompt_logprobs(model, ids, top, tok.vocab_size))
         finish = None if req.generate else "length"
         usage = None if req.generate else Usage(len(ids), 0, 0)
         return Delta(rid, tok.decode(ids), list(ids), lps, finish, usage)
@@ -301,10 +306,7 @@ def build_app(served: Served | None = None, api_key: str | None = None,
         check_key(request)
         served = state.require()
         texts, fmt = state.parser.embeddings(state.parser.body(await request.body(), EMBEDDINGS_FIELDS))
-        model = served.engine.engine.model
-        if getattr(model, "world", 1) != 1:
-            raise APIError(400, "embeddings are not served with --tp yet", "invalid_request_error", "model")
-        vectors = await asyncio.to_thread(served.engine.exclusive, lambda: embed(model, texts, served.pooling))
+        vectors = await one_pass(served, "embeddings", "input", lambda model: embed(model, texts, served.pooling))
         data = []
         for i, v in enumerate(vectors.cpu()):
             value = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()

@@ -66,13 +66,9 @@ def timed(fn) -> float:
 
 
 def lowbit_prefill(lm, ids):
-    from lowbit.quant.kv import KV_FORMATS
-    from lowbit.runtime.engine.kv_cache import KVPool
-    from lowbit.runtime.engine.runner import Chunk, Runner
-    c, page = lm.config, 16
-    pages = list(range(-(-len(ids) // page)))
-    pool = KVPool(KV_FORMATS["k8v4"], c.n_layers, c.n_kv_heads, c.head_dim, num_pages=len(pages), page_size=page)
-    Runner(lm.model, pool).run([Chunk(list(ids), 0, list(range(len(ids))), pages)], None)
+    from lowbit.runtime.engine.runner import Runner, fresh_pool
+    pool, chunks = fresh_pool(lm.model, [list(ids)], logits=[1], kv_format="k8v4")
+    Runner(lm.model, pool).run(chunks, None)
 
 
 def lowbit_engine_decode(lm, prompt, n) -> float:
