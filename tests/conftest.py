@@ -119,6 +119,22 @@ def lowbit_server(default_gguf, tmp_path_factory):
             proc.kill()
 
 
+SERVE_KEY = "sk-acceptance"  # the key lowbit_server's $LOWBIT_API_KEY sets
+
+
+@pytest.fixture(scope="session")
+def serve_client(lowbit_server):
+    """The official `openai` client on lowbit_server."""
+    import openai
+
+    return openai.OpenAI(base_url=lowbit_server[0] + "/v1", api_key=SERVE_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def serve_model_id(serve_client) -> str:
+    return serve_client.models.list().data[0].id
+
+
 
 @pytest.fixture
 def c_kernels():

@@ -94,12 +94,27 @@ class GrammarCompiler:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
         except (ValueError, TypeError) as e:
             raise GrammarError(f"invalid JSON schema: {e}") from None
+        return self._matcher(grammar)
+
+    def compile_lark(self, lark: str) -> "Grammar":
+        """A grammar in llguidance's Lark syntax (`%json {schema}` embeds a JSON schema)."""
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"invalid grammar: {e}") from None
+        return self._matcher(grammar)
+
+    def _matcher(self, grammar: str) -> "Grammar":
+        import llguidance
+
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._llt())
         if is_error:
-            raise GrammarError(f"unsupported JSON schema: {'; '.join(messages)}")
+            raise GrammarError(f"unsupported JSON schema or grammar: {'; '.join(messages)}")
         matcher = llguidance.LLMatcher(self._llt(), grammar)
         if matcher.is_error():
-            raise GrammarError(f"unsupported JSON schema: {matcher.get_error()}")
+            raise GrammarError(f"unsupported JSON schema or grammar: {matcher.get_error()}")
         return Grammar(matcher, self._tokenizer.vocab_size)
 
 
@@ -128,3 +143,38 @@ class Grammar:
     def done(self) -> bool:
         """Complete: nothing but the end token may follow."""
         return self._m.is_stopped()
+
+    def reset(self) -> None:
+        self._m.reset()
+
+
+class LazyGrammar:
+    """A grammar that waits for its trigger: the output is free until it ends with `trigger` (a tool
+    call's opening marker), then held to `body` until that completes, then free again (and the
+    next trigger starts `body` afresh). So a model may talk before a call, and a call it opens always
+    parses. The trigger counts only where it ends on a token boundary, as a marker that is one token
+    (Qwen's `<tool_call>`) always does."""
+
+    def __init__(self, trigger: str, body: Grammar, tokenizer):
+        self.trigger, self.body, self.tok = trigger, body, tokenizer
+        self.active = False
+        self.tail = ""  # the output's last len(trigger) characters while free
+
+    def mask(self, logits: torch.Tensor) -> None:
+        if self.active:
+            self.body.mask(logits)
+
+    def accept(self, token: int) -> None:
+        if self.active:
+            self.body.accept(token)
+            if self.body.done:  # the call closed: free text again, and a fresh body for the next call
+                self.active, self.tail = False, ""
+                self.body.reset()
+            return
+        text = self.tok.token_bytes(token).decode("utf-8", errors="replace")
+        self.tail = (self.tail + text)[-len(self.trigger):]
+        self.active = self.tail == self.trigger
+
+    @property
+    def done(self) -> bool:
+        return False  # free text ends where the model ends it

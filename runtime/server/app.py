@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP layer: a thin FastAPI app over `AsyncEngine` (DESIGN.md's request and
 stream-back steps).
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503 while
-the model loads, 200 once it serves), GET /metrics (Prometheus text format).
+Endpoints: POST /v1/chat/completions (tools and reasoning: server/tools.py, server/reply.py),
+POST /v1/completions, POST /v1/embeddings, GET /v1/models, POST /tokenize and /detokenize, GET /health
+(503 while the model loads, 200 once it serves), GET /metrics (Prometheus text format); the
+Responses API (server/responses.py, stateless) and Ollama's /api/* (server/ollama.py) on the same
+engine path.
 The route of a request: `RequestParser` (server/request.py) turns the body into prompt ids and one
 SamplingParams per choice; each choice becomes an engine request (with its own grammar when
 response_format asks for JSON); their delta streams are merged and shaped by `Responder`
@@ -19,7 +22,7 @@ import hmac
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -29,11 +32,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lowbit.runtime.engine.embedder import embed
 from lowbit.runtime.engine.scoring import prompt_logprobs
 from lowbit.runtime.engine.engine import AsyncEngine, Delta, Usage
-from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
+from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError, LazyGrammar
 from lowbit.runtime.server.errors import APIError, bad_request, install_error_handlers
 from lowbit.runtime.server.request import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, EMBEDDINGS_FIELDS,
                                           TOKENIZE_FIELDS, Parsed, RequestParser)
 from lowbit.runtime.server.response import Responder
+from lowbit.runtime.server.tools import lazy_grammar
 from lowbit.runtime.engine.sampler import SamplingParams
 from lowbit.runtime.engine.scheduler import QueueFull
 from lowbit.runtime.server.metrics import ServerMetrics
@@ -50,6 +54,20 @@ class Served:
     formats: dict | None = None  # weights / kv_cache / device, listed under "lowbit" in /v1/models
     aliases: tuple[str, ...] = ()  # more names requests may use for the model (--served-model-name A B)
     pooling: str = "mean"  # /v1/embeddings: runtime/engine/embedder.py POOLINGS
+
+def sse_response(body: AsyncIterator[bytes], media_type: str = "text/event-stream") -> StreamingResponse:
+    return StreamingResponse(body, media_type=media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@dataclass
+class Core:
+    """What the other APIs on the port (server/responses.py, server/ollama.py) reuse from the app."""
+
+    state: "AppState"
+    check_key: Callable[[Request], None]
+    start: Callable  # async (served, Parsed, request id) -> AsyncIterator[(choice, Delta)]; close it when done
+    one_pass: Callable  # async (served, what, param, fn(model)) -> fn's result, between engine steps
+
 
 class AppState:
     """The app's one piece of state: loading until `ready` is called with what to serve."""
@@ -210,24 +228,25 @@ def build_app(served: Served | None = None, api_key: str | None = None,
             if events is not None:
                 await events.aclose()
 
-    async def run(served: Served, req: Parsed, prefix: str):
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+    async def start(served: Served, req: Parsed, rid: str) -> AsyncIterator[tuple[int, Delta]]:
+        """Open every choice of `req` (a refusal raises here, before any byte is sent) → the merged
+        (choice, delta) stream. Closing it closes every choice's engine stream, whatever happened:
+        closing a finished stream does nothing, closing a suspended one aborts its request and
+        frees its pages."""
         t0 = time.perf_counter()
         if req.echo and not req.generate:  # scored, not generated: no engine request at all
             head = await echoed(served, req, rid)
-            events = echo_first([head] * len(req.params), None)
-            if not req.stream:
-                return JSONResponse(await state.responder.fold(req, rid, events))
-            return StreamingResponse(state.responder.chunks(req, rid, events), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return echo_first([head] * len(req.params), None)
         grammars = [None] * len(req.params)
-        if req.schema is not None:
-            try:  # the first compile builds the vocabulary's trie (~0.1 s for 49k tokens): off the event loop
+        lazy = lazy_grammar(req.tools) if req.tools else None
+        try:  # the first compile builds the vocabulary's trie (~0.1 s for 49k tokens): off the event loop
+            if req.schema is not None:
                 grammars = [await asyncio.to_thread(state.grammars.compile, req.schema) for _ in req.params]
-            except GrammarError as e:
-                raise bad_request(str(e), "response_format") from None
-        # every choice's engine stream is closed at the end, whatever happened: closing a finished
-        # stream does nothing, closing a suspended one aborts its request and frees its pages
+            elif lazy is not None:
+                bodies = [await asyncio.to_thread(state.grammars.compile_lark, lazy[1]) for _ in req.params]
+                grammars = [LazyGrammar(lazy[0], b, served.tokenizer) for b in bodies]
+        except GrammarError as e:
+            raise bad_request(str(e), "tools" if req.tools and (req.tools.schema or lazy) else "response_format") from None
         opened: list[tuple[AsyncIterator[Delta], Delta]] = []
 
         async def close_all() -> None:
@@ -237,24 +256,36 @@ def build_app(served: Served | None = None, api_key: str | None = None,
         try:
             for i, (params, grammar) in enumerate(zip(req.params, grammars)):
                 opened.append(await open_choice(served.engine, req.prompt_ids, params, f"{rid}-{i}", grammar))
+            events = merged([observed(agen, first, t0, len(req.prompt_ids)) for agen, first in opened])
+            if req.echo:
+                try:
+                    head = await echoed(served, req, rid)
+                except BaseException:
+                    await events.aclose()
+                    raise
+                events = echo_first([head] * len(req.params), events)
         except BaseException:
             await close_all()
             raise
-        events = merged([observed(agen, first, t0, len(req.prompt_ids)) for agen, first in opened])
-        if req.echo:
+
+        async def closing() -> AsyncIterator[tuple[int, Delta]]:
             try:
-                head = await echoed(served, req, rid)
-            except BaseException:
+                async for item in events:
+                    yield item
+            finally:
                 await events.aclose()
                 await close_all()
-                raise
-            events = echo_first([head] * len(req.params), events)
+
+        return closing()
+
+    async def run(served: Served, req: Parsed, prefix: str):
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        events = await start(served, req, rid)
         if not req.stream:
             try:
                 return JSONResponse(await state.responder.fold(req, rid, events))
             finally:
                 await events.aclose()
-                await close_all()
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -262,10 +293,8 @@ def build_app(served: Served | None = None, api_key: str | None = None,
                     yield b
             finally:
                 await events.aclose()
-                await close_all()
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(body())
 
     # ---- routes -------------------------------------------------------------------------------------
 
@@ -343,4 +372,5 @@ def build_app(served: Served | None = None, api_key: str | None = None,
         req = state.parser.completion(state.parser.body(await request.body(), COMPLETION_FIELDS))
         return await run(served, req, "cmpl")
 
+    core = Core(state, check_key, start, one_pass)
     return app

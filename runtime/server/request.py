@@ -15,6 +15,8 @@ from typing import Any
 
 from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
+from lowbit.runtime.server.reply import THINK_OPEN
+from lowbit.runtime.server.tools import ToolPlan, history_message, parse_tools, prompt_messages
 from lowbit.runtime.engine.sampler import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("lowbit.server")
@@ -24,17 +26,17 @@ MAX_CHOICES = 128  # OpenAI's bound on n
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed")
 # fields accepted and deliberately without effect here
-_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
+_IGNORED = {"user", "store", "metadata", "service_tier"}
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "stop", "logit_bias", "logprobs",
            "response_format", "ignore_eos", *_SAMPLING, *_IGNORED}  # ignore_eos: vLLM's and llama.cpp's extension
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-                         "function_call", *_COMMON})
+                         "function_call", "parallel_tool_calls", *_COMMON})
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix", *_COMMON})
 # /tokenize as vLLM ("prompt" or "messages") and llama-server ("content") take it
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "content", "messages", "add_generation_prompt", "add_special_tokens"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 EMBEDDINGS_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
-_ROLES = ("system", "user", "assistant", "developer")
+_ROLES = ("system", "user", "assistant", "developer", "tool")
 _PARAMS_FIELDS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop", "logprobs"}
 
@@ -54,6 +56,9 @@ class Parsed:
     logprobs: bool
     echo: bool = False  # /v1/completions: the prompt leads the text (and its tokens the logprobs)
     generate: bool = True  # False: max_tokens 0 with echo, the prompt scored and nothing generated
+    tools: ToolPlan | None = None  # the request's tools: how to read calls out of the reply
+    think: bool = False  # the template has think tags: a leading <think> block is reasoning
+    in_think: bool = False  # the prompt itself opened the think block
 
 
 class RequestParser:
@@ -83,9 +88,11 @@ class RequestParser:
 
     def chat(self, body: dict) -> Parsed:
         self._unsupported(body, chat=True)
-        messages = self._messages(body)
+        template = getattr(self.tok, "chat_template", None)
+        plan = parse_tools(body, template)
+        messages, tools = prompt_messages(self._messages(body), plan)
         try:
-            ids = self.tok.encode_chat(messages, add_generation_prompt=True)
+            ids = self.tok.encode_chat(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
         except ValueError as e:
             raise bad_request(f"cannot render the chat template: {e}", "messages") from None
         self._check_prompt_len(len(ids), "messages")
@@ -98,7 +105,15 @@ class RequestParser:
             if not (_is_int(top) and 0 <= top <= MAX_LOGPROBS):
                 raise bad_request(f"top_logprobs must be an int in [0, {MAX_LOGPROBS}]", "top_logprobs")
         params = self._params(body, len(ids), "max_completion_tokens", (top or 0) if lp else None)
-        return self._parsed(body, True, ids, params)
+        parsed = self._parsed(body, True, ids, params)
+        think = THINK_OPEN in (template or "")
+        in_think = think and self.tok.decode(ids[-16:]).rstrip().endswith(THINK_OPEN)  # a byte vocabulary spells it out
+        if plan is not None and plan.schema is not None:
+            if parsed.schema is not None:
+                raise bad_request("response_format cannot be combined with tool_choice 'required', a named "
+                                  "function, or tools on a template without tool support", "response_format")
+            parsed = replace(parsed, schema=plan.schema)
+        return replace(parsed, tools=plan, think=think, in_think=in_think)
 
     def completion(self, body: dict) -> Parsed:
         self._unsupported(body, chat=False)
@@ -223,15 +238,21 @@ class RequestParser:
             elif not isinstance(content, str):
                 raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
             role = "system" if m["role"] == "developer" else m["role"]
-            out.append({"role": role, "content": content})
+            msg = {"role": role, "content": content, **history_message(i, m)}
+            reasoning = next((m[k] for k in ("reasoning_content", "reasoning", "thinking") if m.get(k)), None)
+            if role == "assistant" and reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise bad_request(f"messages[{i}].reasoning_content must be a string", "messages")
+                msg["reasoning_content"] = reasoning
+            out.append(msg)
         return out
 
     @staticmethod
     def _unsupported(body: dict, chat: bool) -> None:
-        for name in ("tools", "functions"):
-            if body.get(name):
-                raise bad_request(f"{name} are not supported", name)
         if not chat:
+            for name in ("tools", "functions"):
+                if body.get(name):
+                    raise bad_request(f"{name} are for /v1/chat/completions", name)
             if body.get("best_of") not in (None, 1):
                 raise bad_request("best_of is not supported", "best_of")
             if body.get("suffix"):

@@ -14,11 +14,37 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from typing import AsyncIterator, Callable
 
 from lowbit.runtime.engine.engine import Delta, Usage
 from lowbit.runtime.server.errors import APIError
+from lowbit.runtime.server.reply import ReplyParser
 from lowbit.runtime.server.request import Parsed
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def reply_parser(req: Parsed) -> ReplyParser:
+    """How a choice's text is read: plain for /v1/completions; for chat, the request's tool mode and
+    the template's think tags."""
+    if not req.chat:
+        return ReplyParser(None)
+    plan = req.tools
+    return ReplyParser(plan.mode if plan else None, req.think, req.in_think, plan.named if plan else None)
+
+
+async def replies(req: Parsed, events: AsyncIterator[tuple[int, Delta]]):
+    """(choice index, the pieces its delta decided, the delta): the engine's deltas read by each
+    choice's ReplyParser (server/reply.py), which is flushed on the choice's last delta."""
+    parsers = [reply_parser(req) for _ in req.params]
+    async for i, d in events:
+        pieces = parsers[i].feed(d.text)
+        if d.finish_reason is not None:
+            pieces += parsers[i].finish()
+        yield i, pieces, d
 
 
 def sse(obj: dict | str) -> bytes:
@@ -83,26 +109,42 @@ class Responder:
     async def fold(self, req: Parsed, rid: str, events: AsyncIterator[tuple[int, Delta]]) -> dict:
         n = len(req.params)
         texts: list[list[str]] = [[] for _ in range(n)]
+        thoughts: list[list[str]] = [[] for _ in range(n)]
+        calls: list[list[dict]] = [[] for _ in range(n)]
         chat_lps: list[list] = [[] for _ in range(n)]
         comp_lps: list[dict | None] = [None] * n
         finish, usages, offsets = ["stop"] * n, [None] * n, [0] * n
         now = int(time.time())
-        async for i, d in events:
+        async for i, pieces, d in replies(req, events):
             if req.logprobs:
                 if req.chat:
                     chat_lps[i] += self.chat_logprobs(d)
                 else:
                     part = self.completion_logprobs(d, offsets[i])
                     comp_lps[i] = part if comp_lps[i] is None else {k: comp_lps[i][k] + part[k] for k in part}
-            texts[i].append(d.text)
             offsets[i] += len(d.text)
+            for kind, value in pieces:
+                if kind == "content":
+                    texts[i].append(value)
+                elif kind == "reasoning":
+                    thoughts[i].append(value)
+                else:
+                    calls[i].append({"id": call_id(), "type": "function",
+                                     "function": {"name": value[0], "arguments": value[1]}})
             if d.finish_reason is not None:
                 finish[i], usages[i] = self.finish_of(d), d.usage
+                if calls[i] and finish[i] == "stop":
+                    finish[i] = "tool_calls"
         choices = []
         for i in range(n):
             text = "".join(texts[i])
             if req.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                msg = {"role": "assistant", "content": None if calls[i] and not text else text, "refusal": None}
+                if calls[i]:
+                    msg["tool_calls"] = calls[i]
+                if thoughts[i]:
+                    msg["reasoning_content"] = msg["reasoning"] = "".join(thoughts[i])
+                choices.append({"index": i, "message": msg,
                                 "logprobs": {"content": chat_lps[i]} if req.logprobs else None,
                                 "finish_reason": finish[i]})
             else:
@@ -132,13 +174,29 @@ class Responder:
                 for i in range(n):
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
-            async for i, d in events:
+            n_calls = [0] * n
+            async for i, pieces, d in replies(req, events):
                 finish = self.finish_of(d) if d.finish_reason is not None else None
                 if req.chat:
                     lp = {"content": self.chat_logprobs(d)} if req.logprobs and d.token_ids else None
-                    if d.text or lp:
-                        yield chunk([{"index": i, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": None}])
+                    deltas = []
+                    for kind, value in pieces:
+                        if kind == "content":
+                            deltas.append({"content": value})
+                        elif kind == "reasoning":
+                            deltas.append({"reasoning_content": value, "reasoning": value})
+                        else:
+                            deltas.append({"tool_calls": [{"index": n_calls[i], "id": call_id(), "type": "function",
+                                                           "function": {"name": value[0], "arguments": value[1]}}]})
+                            n_calls[i] += 1
+                    if lp and not deltas:
+                        deltas.append({"content": ""})  # the tokens' logprobs, their text still undecided
+                    for k, delta in enumerate(deltas):
+                        yield chunk([{"index": i, "delta": delta, "logprobs": lp if k == 0 else None,
+                                      "finish_reason": None}])
                     if finish:
+                        if n_calls[i] and finish == "stop":
+                            finish = "tool_calls"
                         yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}])
                 else:
                     lp = self.completion_logprobs(d, offsets[i]) if req.logprobs else None
