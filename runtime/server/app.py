@@ -41,6 +41,8 @@ from lowbit.runtime.server.tools import lazy_grammar
 from lowbit.runtime.engine.sampler import SamplingParams
 from lowbit.runtime.engine.scheduler import QueueFull
 from lowbit.runtime.server.metrics import ServerMetrics
+from lowbit.runtime.server.ollama import add_ollama_routes
+from lowbit.runtime.server.responses import add_responses_routes
 
 
 @dataclass
@@ -373,4 +375,6 @@ def build_app(served: Served | None = None, api_key: str | None = None,
         return await run(served, req, "cmpl")
 
     core = Core(state, check_key, start, one_pass)
+    add_responses_routes(app, core)
+    add_ollama_routes(app, core)
     return app
