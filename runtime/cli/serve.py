@@ -72,8 +72,8 @@ def cmd_serve(args) -> int:
         try:
             served = load_served(args, kv_memory)
             app.state.lowbit.ready(served)
-            log.info("serving %s at %s (export OPENAI_BASE_URL=%s)%s", served.model_name, url, url,
-                     "" if api_key else "; no API key required")
+            log.info("serving %s at %s (export OPENAI_BASE_URL=%s; Ollama clients: OLLAMA_HOST=%s)%s",
+                     served.model_name, url, url, url.removesuffix("/v1"), "" if api_key else "; no API key required")
         except BaseException as e:  # noqa: BLE001 - reported by cmd_serve once uvicorn has stopped
             failure.append(e)
             server.should_exit = True

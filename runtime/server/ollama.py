@@ -1,0 +1,695 @@
+"""Ollama's native API (/api/*) on lowbit's port, so that clients which speak only Ollama (the
+`ollama` Python package, Continue's Ollama provider, oterm, Open WebUI) run against `lowbit serve
+--port 11434` unchanged.
+
+Endpoints, in the shapes of Ollama's docs/api.md: GET /api/version, GET /api/tags, POST /api/show,
+GET /api/ps, POST /api/chat, POST /api/generate, POST /api/embed and the older POST /api/embeddings;
+POST /api/pull answers "success" for the model being served (it is already here). GET / answers
+"Ollama is running", the text clients probe for.
+
+Every generation takes the engine path of /v1/chat/completions: an Ollama body is translated into
+an OpenAI one and parsed by `RequestParser` (server/request.py), so prompts, sampling, tools and
+`format` (JSON mode or a JSON schema, held by the grammar) get the same checks; the reply's pieces
+(server/response.py `replies`) become Ollama's messages: text, `thinking`, and tool calls whose
+arguments are objects. Ollama streams by default: NDJSON, one object a line, the last one `done`
+with the counts and timings (nanoseconds). Errors are Ollama's `{"error": "..."}` with the status,
+a client's mistake always a 4xx.
+
+Ollama's own defaults hold where a request says nothing (temperature 0.8, top_k 40, top_p 0.9),
+since its clients are written against them. Load-time options (num_ctx, num_gpu, ...) and options
+this sampler lacks (typical_p, mirostat, repeat_last_n, ...) are accepted without effect: the
+model is loaded once, by `lowbit serve`. A num_predict beyond the context is cut to the room left,
+as Ollama stops there too. Not here: images (text-only models), `suffix`, a per-request `template`,
+and model management (create, copy, delete, push), which are 400s saying so.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from importlib import metadata
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from lowbit.runtime.engine.embedder import embed
+from lowbit.runtime.engine.sampler import MAX_LOGPROBS
+from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
+from lowbit.runtime.server.reply import THINK_OPEN
+from lowbit.runtime.server.request import Parsed
+from lowbit.runtime.server.response import call_id, replies
+
+log = logging.getLogger("lowbit.server")
+
+# The Ollama API release whose request and reply shapes these routes follow (tool calls with an
+# index, `thinking`, logprobs). A plain x.y.z, since clients compare it to enable features; lowbit's
+# own version is reported beside it.
+OLLAMA_VERSION = "0.12.0"
+# Ollama's DefaultOptions: what its clients get when they set nothing
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+# Ollama option → the chat-completions field it is passed on as
+_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+            "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+            "frequency_penalty": "frequency_penalty", "stop": "stop"}
+# an OpenAI field named in a parser's error → the Ollama field the client sent
+_RENAMED = (("max_completion_tokens", "num_predict"), ("max_tokens", "num_predict"),
+            ("repetition_penalty", "repeat_penalty"), ("response_format", "format"))
+# lowbit's weight layouts as the GGUF quantization names Ollama's clients show
+_QUANT_NAMES = {"int4-g32": "Q4_1", "int4-sym-g32": "Q4_0", "int8-g32": "Q8_0", "f16": "F16", "bf16": "BF16",
+                "f32": "F32"}
+_THINK_LEVELS = ("low", "medium", "high", "max")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
+
+
+def _line(obj: dict) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+def _ollama_error(e: APIError) -> JSONResponse:
+    message = e.message
+    for ours, theirs in _RENAMED:
+        message = message.replace(ours, theirs)
+    return JSONResponse({"error": message}, status_code=e.status, headers=e.headers)
+
+
+def _ollama_errors(route):
+    """A route answering every APIError in Ollama's shape: {"error": "..."} with the status."""
+
+    @functools.wraps(route)
+    async def wrapped(request: Request):
+        try:
+            return await route(request)
+        except APIError as e:
+            return _ollama_error(e)
+
+    return wrapped
+
+
+def _not_found(name) -> APIError:
+    return APIError(404, f"model '{name}' not found", "invalid_request_error", "model", "model_not_found")
+
+
+# ---- the served model, described as Ollama describes its models -----------------------------------
+
+def _base_name(name: str) -> str:
+    return name.removesuffix(":latest")
+
+
+def _resolve(served, name) -> str:
+    """The name a request gave, checked against the served names; `x` and `x:latest` are one model,
+    as in Ollama. Replies carry the name as the client gave it, as Ollama's do."""
+    if name is None or name == "":
+        raise bad_request("model is required", "model")
+    if not isinstance(name, str):
+        raise bad_request("model must be a string", "model")
+    if _base_name(name) not in {_base_name(n) for n in (served.model_name, *served.aliases)}:
+        raise _not_found(name)
+    return name
+
+
+def _model(served):
+    return served.engine.engine.model
+
+
+def _weight_bytes(model) -> int:
+    """Bytes held by the model's tensors (shared ones once), the `size` Ollama reports."""
+    seen, total = set(), 0
+    for b in list(model.buffers()) + list(model.parameters()):
+        if b.data_ptr() not in seen:
+            seen.add(b.data_ptr())
+            total += b.numel() * b.element_size()
+    return total
+
+
+def _parameter_count(c) -> int:
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    layer = c.dim * (q + 2 * kv) + q * c.dim + 3 * c.dim * c.hidden_dim + 2 * c.dim
+    if c.qkv_bias:
+        layer += q + 2 * kv
+    return c.vocab_size * c.dim * (1 if c.tie_embeddings else 2) + c.n_layers * layer + c.dim
+
+
+def _human_number(n: int) -> str:
+    """Ollama's parameter_size spelling: 8B, 7.6B, 134.52M, 30K."""
+    for unit, scale, digits in (("B", 1e9, 1), ("M", 1e6, 2)):
+        if n >= scale:
+            x = n / scale
+            return f"{x:.0f}{unit}" if x == int(x) else f"{x:.{digits}f}{unit}"
+    return f"{n / 1e3:.0f}K" if n >= 1000 else str(n)
+
+
+def _quantization(model) -> str:
+    """The layout holding most of the weights' bytes, in GGUF's name where one matches."""
+    held: Counter = Counter()
+    for m in model.modules():
+        name = getattr(m, "spec_name", None)
+        if name:
+            held[name] += sum(b.numel() * b.element_size() for b in m.buffers())
+    if not held:
+        return "unknown"
+    name = held.most_common(1)[0][0]
+    return _QUANT_NAMES.get(name, name)
+
+
+@dataclass(frozen=True)
+class _Card:
+    """What /api/tags, /api/show and /api/ps say about the served model (computed once)."""
+
+    size: int
+    digest: str
+    details: dict
+    model_info: dict
+    modified_at: str
+
+
+def _card(served, since: str) -> _Card:
+    model = _model(served)
+    c = getattr(model, "config", None)
+    arch = getattr(c, "arch", "llama")
+    size = _weight_bytes(model)
+    info = {"general.architecture": arch, f"{arch}.context_length": served.max_model_len}
+    details = {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
+               "parameter_size": "", "quantization_level": _quantization(model)}
+    if c is not None:
+        n = _parameter_count(c)
+        details["parameter_size"] = _human_number(n)
+        info.update({"general.parameter_count": n, f"{arch}.embedding_length": c.dim,
+                     f"{arch}.block_count": c.n_layers, f"{arch}.feed_forward_length": c.hidden_dim,
+                     f"{arch}.attention.head_count": c.n_heads, f"{arch}.attention.head_count_kv": c.n_kv_heads,
+                     f"{arch}.attention.key_length": c.head_dim, f"{arch}.attention.value_length": c.head_dim,
+                     f"{arch}.attention.layer_norm_rms_epsilon": c.norm_eps, f"{arch}.rope.freq_base": c.rope_theta,
+                     f"{arch}.vocab_size": c.vocab_size})
+    # not a file's hash (the server knows no file): an id of what is served, stable while it runs
+    digest = hashlib.sha256(json.dumps([served.model_name, size, served.formats], sort_keys=True,
+                                       default=str).encode()).hexdigest()
+    return _Card(size, digest, details, info, since)
+
+
+def _capabilities(served) -> list[str]:
+    caps = ["completion", "tools", "embedding"]
+    if THINK_OPEN in (getattr(served.tokenizer, "chat_template", None) or ""):
+        caps.append("thinking")
+    return caps
+
+
+# ---- request: an Ollama body → an OpenAI one the parser reads --------------------------------------
+
+def _json_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"invalid JSON in the request body: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"{key} must be a boolean", key)
+    return v
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _options(options) -> tuple[dict, int | None]:
+    """`options` → (the sampling fields of a chat-completions body, num_predict or None: no limit)."""
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise bad_request("options must be an object", "options")
+    out = dict(DEFAULTS)
+    for key, value in options.items():
+        if value is None:
+            continue
+        if key in _OPTIONS:
+            out[_OPTIONS[key]] = value
+        elif key != "num_predict":
+            log.debug("ollama option %s has no effect here", key)
+    if _is_int(out.get("seed")) and out["seed"] < 0:  # Ollama's -1: a random seed
+        del out["seed"]
+    if _is_int(out.get("top_k")) and out["top_k"] < 0:  # Ollama: top_k <= 0 is off
+        out["top_k"] = 0
+    n = options.get("num_predict")
+    if n is not None and not _is_int(n):
+        raise bad_request(f"num_predict must be an integer, got {n!r}", "num_predict")
+    return out, n if n is not None and n > 0 else None  # Ollama: -1 (and 0) is no limit
+
+
+def _response_format(fmt) -> dict | None:
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    raise bad_request(f'invalid format: expected "json" or a JSON schema object, got {json.dumps(fmt)}', "format")
+
+
+def _logprobs(body: dict) -> int | None:
+    """Top alternatives per token when `logprobs` is set (0: the chosen token's alone), else None."""
+    if not _flag(body, "logprobs", False):
+        return None
+    top = body.get("top_logprobs", 0)
+    if not (_is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
+    return top
+
+
+def _check_think(body: dict) -> None:
+    think = body.get("think")
+    if think is not None and not isinstance(think, bool) and think not in _THINK_LEVELS:
+        raise bad_request(f"think must be a boolean or one of {', '.join(_THINK_LEVELS)}", "think")
+
+
+def _messages(messages) -> list[dict]:
+    """Ollama messages → OpenAI ones: tool calls' arguments (objects) as JSON strings, `tool_name`
+    as the tool message's name, `thinking` as the assistant's reasoning."""
+    if not isinstance(messages, list):
+        raise bad_request("messages must be a list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        if m.get("images"):
+            raise bad_request(f"messages[{i}].images: this model reads text only", "messages")
+        role = m.get("role")
+        msg = {"role": role.lower() if isinstance(role, str) else role, "content": m.get("content")}
+        if m.get("thinking"):
+            msg["reasoning_content"] = m["thinking"]
+        calls = m.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
+            msg["tool_calls"] = []
+            for j, c in enumerate(calls):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict):
+                    raise bad_request(f"messages[{i}].tool_calls[{j}] must have a function", "messages")
+                args = fn.get("arguments") or {}
+                args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                msg["tool_calls"].append({"id": c.get("id") or f"call_{i}_{j}", "type": "function",
+                                          "function": {"name": fn.get("name"), "arguments": args}})
+        if m.get("tool_name"):
+            msg["name"] = m["tool_name"]
+        if m.get("tool_call_id"):
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+def _sampling(body: dict) -> tuple[dict, int | None]:
+    """The fields of a chat-completions (or completions) body that an Ollama request's `options`
+    and `format` make → (them, num_predict)."""
+    sampling, num_predict = _options(body.get("options"))
+    fmt = _response_format(body.get("format"))
+    if fmt is not None:
+        sampling["response_format"] = fmt
+    return sampling, num_predict
+
+
+def _fit(parsed: Parsed, max_model_len: int, num_predict: int | None, top_logprobs: int | None) -> Parsed:
+    """Bound the reply by num_predict and by the context's room, and ask for the logprobs."""
+    n = len(parsed.prompt_ids)
+    room = max_model_len - n
+    if room <= 0:
+        raise context_exceeded(max_model_len, n, "prompt")
+    limit = room if num_predict is None else min(num_predict, room)
+    params = [replace(p, max_tokens=limit, logprobs=top_logprobs) for p in parsed.params]
+    return replace(parsed, params=params, logprobs=top_logprobs is not None)
+
+
+def _keep_alive_zero(v) -> bool:
+    return v in (0, 0.0, "0", "0s", "0m", "0h")
+
+
+# ---- reply: the engine's deltas → Ollama's pieces ---------------------------------------------------
+
+def _arguments(text: str) -> dict:
+    """A call's arguments as the object Ollama sends (a non-object value kept under "value")."""
+    try:
+        v = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        return {"value": text}
+    return v if isinstance(v, dict) else {"value": v}
+
+
+@dataclass
+class _Step:
+    """What one engine delta added to the reply."""
+
+    content: str = ""
+    thinking: str = ""
+    calls: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.thinking or self.calls or self.logprobs)
+
+
+class _Generation:
+    """One request's generation: its steps as they come, then the final counts and timings."""
+
+    def __init__(self, core, served, parsed: Parsed, t0: float):
+        self.core, self.served, self.parsed, self.t0 = core, served, parsed, t0
+        self.finish, self.usage, self.token_ids, self.n_calls = "stop", None, [], 0
+
+    async def open(self) -> None:
+        """Open the engine's stream; a refusal raises here, before any byte is sent."""
+        self.t_start = time.perf_counter()
+        self.events = await self.core.start(self.served, self.parsed, f"ollama-{uuid.uuid4().hex}")
+        self.t_prompt = time.perf_counter()  # start returns once the first delta (the prefill) is in
+        self.t_end = self.t_prompt
+
+    async def close(self) -> None:
+        """Close the engine's stream: a reply still running is aborted and its pages freed."""
+        await self.events.aclose()
+
+    async def steps(self) -> AsyncIterator[_Step]:
+        responder = self.core.state.responder
+        try:
+            async for _, pieces, d in replies(self.parsed, self.events):
+                step = _Step()
+                for kind, value in pieces:
+                    if kind == "content":
+                        step.content += value
+                    elif kind == "reasoning":
+                        step.thinking += value
+                    else:
+                        step.calls.append({"id": call_id(), "function": {"index": self.n_calls, "name": value[0],
+                                                                         "arguments": _arguments(value[1])}})
+                        self.n_calls += 1
+                if self.parsed.logprobs and d.token_ids:
+                    step.logprobs = responder.chat_logprobs(d)
+                self.token_ids += d.token_ids
+                if d.finish_reason is not None:
+                    self.finish, self.usage = responder.finish_of(d), d.usage  # an engine failure raises
+                    self.t_end = time.perf_counter()
+                yield step
+        finally:
+            await self.close()
+
+    def stats(self) -> dict:
+        u = self.usage
+        return {"done_reason": self.finish, "total_duration": _ns(self.t_end - self.t0), "load_duration": 0,
+                "prompt_eval_count": u.prompt_tokens if u else len(self.parsed.prompt_ids),
+                "prompt_eval_duration": _ns(self.t_prompt - self.t_start),
+                "eval_count": u.completion_tokens if u else 0, "eval_duration": _ns(self.t_end - self.t_prompt)}
+
+
+def _ndjson(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="application/x-ndjson",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _run(gen: _Generation, stream: bool, frame, final):
+    """Stream or fold a generation. frame(step, done) → the object for one step (done: the folded
+    whole); final() → the fields of the last object."""
+    await gen.open()
+    if not stream:
+        whole = _Step()
+        try:
+            async for s in gen.steps():
+                whole.content += s.content
+                whole.thinking += s.thinking
+                whole.calls += s.calls
+                whole.logprobs += s.logprobs
+        except APIError as e:
+            return _ollama_error(e)
+        finally:
+            await gen.close()
+        return JSONResponse({**frame(whole, True), **final()})
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            async for s in gen.steps():
+                if s:
+                    yield _line(frame(s, False))
+            yield _line({**frame(_Step(), True), **final()})
+        except APIError as e:  # the engine failed after the reply began: an error line, then close
+            yield _line({"error": e.message})
+        finally:
+            await gen.close()
+
+    return _ndjson(lines())
+
+
+# ---- routes -----------------------------------------------------------------------------------------
+
+def add_ollama_routes(app: FastAPI, core) -> None:
+    state = core.state
+    since = _now()
+    cards: dict[int, _Card] = {}
+
+    def card(served) -> _Card:
+        key = id(served)
+        if key not in cards:
+            cards.clear()
+            cards[key] = _card(served, since)
+        return cards[key]
+
+    def entries(served) -> list[dict]:
+        c = card(served)
+        return [{"name": n, "model": n, "modified_at": c.modified_at, "size": c.size, "digest": c.digest,
+                 "details": c.details} for n in (served.model_name, *served.aliases)]
+
+    async def served_body(request: Request):
+        core.check_key(request)
+        served = state.require()
+        return served, _json_body(await request.body())
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():
+        return PlainTextResponse("Ollama is running")
+
+    @app.get("/api/version")
+    async def version():
+        try:
+            own = metadata.version("lowbit")
+        except metadata.PackageNotFoundError:
+            own = "0.0.0"
+        return {"version": OLLAMA_VERSION, "lowbit": own}
+
+    @app.get("/api/tags")
+    @_ollama_errors
+    async def tags(request: Request):
+        core.check_key(request)
+        return {"models": entries(state.require())}
+
+    @app.get("/api/ps")
+    @_ollama_errors
+    async def ps(request: Request):
+        core.check_key(request)
+        served = state.served
+        if served is None:  # still loading: nothing is in memory yet
+            return {"models": []}
+        c = card(served)
+        device = (served.formats or {}).get("device") or getattr(_model(served), "device", "cpu")
+        on_gpu = str(device).startswith("cuda")
+        return {"models": [{**e, "expires_at": "2318-01-01T00:00:00Z", "size_vram": c.size if on_gpu else 0,
+                            "context_length": served.max_model_len} for e in entries(served)]}
+
+    @app.post("/api/show")
+    @_ollama_errors
+    async def show(request: Request):
+        served, body = await served_body(request)
+        _resolve(served, body.get("model") or body.get("name"))  # `name`: the older clients' field
+        c = card(served)
+        template = getattr(served.tokenizer, "chat_template", None) or ""
+        parameters = "\n".join(f"{k:<30} {v}" for k, v in DEFAULTS.items())
+        modelfile = (f"# Modelfile of the model lowbit serves\nFROM {served.model_name}\n"
+                     + (f'TEMPLATE """{template}"""\n' if template else "")
+                     + "".join(f"PARAMETER {k} {v}\n" for k, v in DEFAULTS.items()))
+        return {"modelfile": modelfile, "parameters": parameters, "template": template, "details": c.details,
+                "model_info": c.model_info, "capabilities": _capabilities(served), "modified_at": c.modified_at,
+                "license": ""}
+
+    @app.post("/api/chat")
+    @_ollama_errors
+    async def chat(request: Request):
+        t0 = time.perf_counter()
+        served, body = await served_body(request)
+        name = _resolve(served, body.get("model"))
+        stream = _flag(body, "stream", True)
+        _check_think(body)
+        messages = body.get("messages") or []
+        if not messages:  # Ollama's way to load (or, with keep_alive 0, unload) a model
+            return {"model": name, "created_at": _now(), "message": {"role": "assistant", "content": ""},
+                    "done_reason": "unload" if _keep_alive_zero(body.get("keep_alive")) else "load", "done": True}
+        sampling, num_predict = _sampling(body)
+        chat_body = {**sampling, "model": served.model_name, "messages": _messages(messages)}
+        if body.get("tools"):
+            chat_body["tools"] = body["tools"]
+        top = _logprobs(body)
+        parsed = _fit(state.parser.chat(chat_body), served.max_model_len, num_predict, top)
+        gen = _Generation(core, served, parsed, t0)
+
+        def frame(s: _Step, done: bool) -> dict:
+            msg = {"role": "assistant", "content": s.content}
+            if s.thinking:
+                msg["thinking"] = s.thinking
+            if s.calls:
+                msg["tool_calls"] = s.calls
+            out = {"model": name, "created_at": _now(), "message": msg, "done": done}
+            if s.logprobs:
+                out["logprobs"] = s.logprobs
+            return out
+
+        return await _run(gen, stream, frame, gen.stats)
+
+    @app.post("/api/generate")
+    @_ollama_errors
+    async def generate(request: Request):
+        t0 = time.perf_counter()
+        served, body = await served_body(request)
+        name = _resolve(served, body.get("model"))
+        stream = _flag(body, "stream", True)
+        raw = _flag(body, "raw", False)
+        _check_think(body)
+        prompt, system = body.get("prompt"), body.get("system")
+        for key, value in (("prompt", prompt), ("system", system), ("suffix", body.get("suffix")),
+                           ("template", body.get("template"))):
+            if value is not None and not isinstance(value, str):
+                raise bad_request(f"{key} must be a string", key)
+        if body.get("images"):
+            raise bad_request("images: this model reads text only", "images")
+        if body.get("suffix"):
+            raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
+        if body.get("template"):
+            raise bad_request("template: a per-request template is not supported; the model's own chat template "
+                              "is used (or send raw: true with the prompt already formatted)", "template")
+        context = body.get("context") or []
+        tok = served.tokenizer
+        if not (isinstance(context, list) and all(_is_int(t) and 0 <= t < tok.vocab_size for t in context)):
+            raise bad_request(f"context must be a list of token ids in [0, {tok.vocab_size})", "context")
+        if not prompt:  # Ollama's way to load (or, with keep_alive 0, unload) a model
+            return {"model": name, "created_at": _now(), "response": "", "done": True,
+                    "done_reason": "unload" if _keep_alive_zero(body.get("keep_alive")) else "load"}
+        sampling, num_predict = _sampling(body)
+        if raw:  # the prompt as given (no template, no system), after the context's tokens
+            ids = context + tok.encode(prompt, add_special=not context)
+            parsed = state.parser.completion({**sampling, "model": served.model_name, "prompt": ids})
+        else:
+            messages = [{"role": "system", "content": system}] if system else []
+            parsed = state.parser.chat({**sampling, "model": served.model_name,
+                                        "messages": messages + [{"role": "user", "content": prompt}]})
+            if context:
+                ids = parsed.prompt_ids
+                bos = getattr(tok, "bos_id", None)
+                if bos is not None and ids[:1] == [bos]:  # the context already opened the sequence
+                    ids = ids[1:]
+                parsed = replace(parsed, prompt_ids=context + ids)
+        parsed = _fit(parsed, served.max_model_len, num_predict, _logprobs(body))
+        gen = _Generation(core, served, parsed, t0)
+
+        def frame(s: _Step, done: bool) -> dict:
+            out = {"model": name, "created_at": _now(), "response": s.content, "done": done}
+            if s.thinking:
+                out["thinking"] = s.thinking
+            if s.logprobs:
+                out["logprobs"] = s.logprobs
+            return out
+
+        def final() -> dict:
+            return {**gen.stats(), "context": parsed.prompt_ids + gen.token_ids}
+
+        return await _run(gen, stream, frame, final)
+
+    async def embeddings_of(served, texts: list[str], truncate: bool, dimensions) -> tuple[list[list[float]], int]:
+        """The texts' unit vectors (cut to their first `dimensions` and renormalized, as Ollama does,
+        when that is fewer than the model's) and the tokens they took."""
+        if dimensions is not None and not (_is_int(dimensions) and dimensions >= 1):
+            raise bad_request("dimensions must be a positive integer", "dimensions")
+        tok, limit = served.tokenizer, served.max_model_len
+        ids = []
+        for i, t in enumerate(texts):
+            x = tok.encode(t)
+            if not x:
+                raise bad_request(f"input[{i}]: an empty text has no tokens to embed", "input")
+            if len(x) > limit:
+                if not truncate:
+                    raise bad_request(f"input[{i}] has {len(x)} tokens, more than the context length {limit}",
+                                      "input")
+                x = x[:limit]
+            ids.append(x)
+        vectors = await core.one_pass(served, "embeddings", "input", lambda model: embed(model, ids, served.pooling))
+        if dimensions is not None and dimensions < vectors.shape[1]:
+            cut = vectors[:, :dimensions].double()
+            vectors = (cut / cut.norm(dim=-1, keepdim=True).clamp_min(1e-12)).float()
+        return vectors.cpu().tolist(), sum(map(len, ids))
+
+    @app.post("/api/embed")
+    @_ollama_errors
+    async def embed_route(request: Request):
+        t0 = time.perf_counter()
+        served, body = await served_body(request)
+        name = _resolve(served, body.get("model"))
+        x = body.get("input")
+        if x is None or x == "":
+            texts = []
+        elif isinstance(x, str):
+            texts = [x]
+        elif isinstance(x, list) and all(isinstance(t, str) for t in x):
+            texts = x
+        else:
+            raise bad_request("input must be a string or a list of strings", "input")
+        vectors, n = ([], 0) if not texts else await embeddings_of(served, texts, _flag(body, "truncate", True),
+                                                                    body.get("dimensions"))
+        return {"model": name, "embeddings": vectors, "total_duration": _ns(time.perf_counter() - t0),
+                "load_duration": 0, "prompt_eval_count": n}
+
+    @app.post("/api/embeddings")
+    @_ollama_errors
+    async def embeddings_route(request: Request):
+        served, body = await served_body(request)
+        _resolve(served, body.get("model"))
+        prompt = body.get("prompt")
+        if prompt is not None and not isinstance(prompt, str):
+            raise bad_request("prompt must be a string", "prompt")
+        if not prompt:
+            return {"embedding": []}
+        vectors, _ = await embeddings_of(served, [prompt], True, None)
+        return {"embedding": vectors[0]}
+
+    @app.post("/api/pull")
+    @_ollama_errors
+    async def pull(request: Request):
+        served, body = await served_body(request)
+        name = body.get("model") or body.get("name")
+        try:
+            _resolve(served, name)
+        except APIError as e:
+            if e.status != 404:
+                raise
+            raise APIError(404, f"model '{name}' not found: lowbit serves the model it was started with; fetch "
+                                "another with `lowbit pull` and restart `lowbit serve` on it") from None
+        return {"status": "success"}  # already here, loaded
+
+    async def unsupported(request: Request):
+        core.check_key(request)
+        raise bad_request(f"{request.url.path} is not supported: lowbit serves the one model it was started with "
+                          "(manage models with `lowbit pull` and `lowbit serve`)")
+
+    for path, method in (("/api/create", "POST"), ("/api/copy", "POST"), ("/api/delete", "DELETE"),
+                         ("/api/push", "POST"), ("/api/blobs/{digest}", "POST"), ("/api/blobs/{digest}", "HEAD")):
+        app.add_api_route(path, _ollama_errors(unsupported), methods=[method])
