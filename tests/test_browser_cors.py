@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import threading
 
+import httpx
 import pytest
 
 from tests.helpers import serving
@@ -41,7 +42,7 @@ main();
 
 def chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert path, "this test needs a real browser: install Debian's chromium (apt-get install -y chromium)"
+    assert path, "this test needs a real browser: install Debian's chromium (apt-get update && apt-get install -y chromium)"
     return path
 
 
@@ -82,16 +83,26 @@ def browse(api: str, tmp_path, key: str | None = KEY) -> dict:
     return result
 
 
+def prompt_tokens(api: str) -> float:
+    """The prompt tokens the server has run (its /metrics): did a request reach the engine?"""
+    line = next(x for x in httpx.get(api + "/metrics").text.splitlines() if x.startswith("lowbit_prompt_tokens_total"))
+    return float(line.split()[1])
+
+
 def test_allowed_origin_calls_the_port_and_the_key_still_counts(tmp_path):
     # the default: pages from localhost / 127.0.0.1 on any port
     with serving(tiny_app(ByteTokenizer(), 128, api_key=KEY)) as api:
         assert browse(api, tmp_path / "a") == {"ok": True, "status": 200, "role": "assistant", "error": None}
+        ran = prompt_tokens(api)
+        assert ran > 0
         # no key: the preflight passes, the request is refused, and the page can read why
         assert browse(api, tmp_path / "b", key=None) == {"ok": True, "status": 401, "role": None,
                                                          "error": "invalid_api_key"}
+        assert prompt_tokens(api) == ran  # refused before the engine
 
 
 def test_disallowed_origin_is_blocked_by_the_browser(tmp_path):
     with serving(tiny_app(ByteTokenizer(), 128, api_key=KEY, cors_origins=["http://allowed.example"])) as api:
         seen = browse(api, tmp_path)
         assert seen == {"ok": False, "error": "TypeError: Failed to fetch"}
+        assert prompt_tokens(api) == 0  # the preflight failed, so the browser never sent the request
