@@ -19,7 +19,7 @@ from lowbit.runtime.engine.engine import AsyncEngine, Engine
 from lowbit.runtime.load.chat_template import ChatTemplate
 from lowbit.runtime.server.app import Served, build_app
 from tests.helpers import serving
-from tests.test_server import CFG, CTX, NAME, ByteTokenizer
+from tests.test_server import CFG, CTX, NAME, ByteTokenizer, slow_tiny_engine
 
 GREEDY = {"temperature": 0, "num_predict": 12}
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -30,15 +30,7 @@ ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "
 @pytest.fixture(scope="module")
 def server():
     """(engine, base URL): no API key, so the `ollama` client needs none."""
-    model = Llama(CFG, random_weights(CFG, "int4-g32", "int8-g32", seed=0, scale=0.1)).eval()
-    engine = Engine(model, ByteTokenizer(), EngineConfig(kv_memory=4 << 20, max_num_seqs=8, exact=True))
-    run = engine._run
-
-    def slow_run(scheduled):  # a few ms per step, so a dropped stream is still running when it drops
-        time.sleep(0.003)
-        return run(scheduled)
-
-    engine._run = slow_run
+    engine = slow_tiny_engine(0.003)
     app = build_app(Served(AsyncEngine(engine), ByteTokenizer(), NAME, CTX, {"device": "cpu"}, ("tiny-b",)),
                     api_key=None)
     with serving(app) as url:

@@ -48,8 +48,9 @@ class ByteTokenizer:
         return "".join(self.token_bytes(i).decode() for i in ids)
 
 
-@pytest.fixture(scope="module")
-def server():
+def slow_tiny_engine(step_s: float = 0.005) -> Engine:
+    """The tiny model's engine, a few ms per step, so that a dropped stream is still running when it
+    drops."""
     model = Llama(CFG, random_weights(CFG, "int4-g32", "int8-g32", seed=0, scale=0.1)).eval()
     # exact matmuls: the default CPU path picks its kernel per row (prompt rows exact, generated rows
     # the fast kernel); all exact keeps these server tests independent of that choice, as they compare
@@ -57,11 +58,17 @@ def server():
     engine = Engine(model, ByteTokenizer(), EngineConfig(kv_memory=4 << 20, max_num_seqs=8, exact=True))
     run = engine._run
 
-    def slow_run(scheduled):  # a few ms per step, so a dropped stream is still running when it drops
-        time.sleep(0.005)
+    def slow_run(scheduled):
+        time.sleep(step_s)
         return run(scheduled)
 
     engine._run = slow_run
+    return engine
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = slow_tiny_engine()
     app = build_app(Served(AsyncEngine(engine), ByteTokenizer(), NAME, CTX), api_key=KEY)
     with serving(app) as base:
         yield engine, base + "/v1"
