@@ -358,6 +358,24 @@ def test_tiny_model_info(tiny_info):
     assert "int4-g32" in r.stdout  # the Q4_1 projections, moved in losslessly
 
 
+def test_info_counts_the_files_tensor_types(tiny_info, tiny_gguf):
+    """Each GGUF type's tensors and bytes, as gguf's own reader counts them, and the held bytes
+    against the file's."""
+    import gguf
+
+    counts: dict[str, list[int]] = {}
+    for t in gguf.GGUFReader(tiny_gguf).tensors:
+        c = counts.setdefault(t.tensor_type.name, [0, 0])
+        c[0], c[1] = c[0] + 1, c[1] + int(t.n_bytes)
+    line = next(x for x in tiny_info.stdout.splitlines() if x.startswith("file tensors: "))
+    seen = {m.group(1): [int(m.group(2)), int(m.group(3).replace(",", ""))]
+            for m in re.finditer(r"(\w+) (\d+) \(([\d,]+) bytes\)", line)}
+    assert seen == counts, line
+    held = int(re.search(r"bytes held by weight tensors: ([\d,]+)", tiny_info.stdout).group(1).replace(",", ""))
+    total = sum(b for _, b in counts.values())
+    assert f"held / file tensor bytes: {held:,} / {total:,} = {held / total:.3f}x" in tiny_info.stdout
+
+
 @pytest.mark.parametrize("case", BAD_CASES)
 @pytest.mark.parametrize("command", ["run", "info"])
 def test_bad_file(command, case, failures, bad_files):

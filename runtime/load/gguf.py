@@ -115,3 +115,13 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
 def gguf_tensor_bytes(path: Path) -> int:
     """Bytes of tensor data in the file (what the memory acceptance compares against)."""
     return sum(t.n_bytes for t in GGUFFile(path).tensors)
+
+
+def gguf_tensor_types(path: Path) -> dict[str, tuple[int, int]]:
+    """Each GGUF tensor type in the file → (tensor count, bytes of tensor data), largest first."""
+    out: dict[str, list[int]] = {}
+    for t in GGUFFile(path).tensors:
+        entry = out.setdefault(t.tensor_type.name, [0, 0])
+        entry[0] += 1
+        entry[1] += int(t.n_bytes)
+    return {k: (n, b) for k, (n, b) in sorted(out.items(), key=lambda kv: -kv[1][1])}
