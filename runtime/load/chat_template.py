@@ -26,7 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Older names for a message's reasoning; templates (Qwen3, DeepSeek-R1, gpt-oss) read
 # `reasoning_content` or `thinking`, clients send any of the three. Same aliasing as transformers.
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _raise_exception(message: str) -> None:
@@ -110,7 +110,7 @@ def _normalize_message(message: Any) -> dict:
     # OpenAI clients send `content=None` / `tool_calls=None`; many templates render a literal
     # "None" for a present-but-None key, while they handle a missing one.
     message = {k: v for k, v in message.items() if v is not None}
-    reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+    reasoning = next((message[k] for k in REASONING_FIELDS if k in message), None)
     if reasoning is not None:
         message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message

@@ -31,6 +31,13 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
+def _release(kind: str, text: str, keep: int, out: list) -> str:
+    """Emit all of `text` but its last `keep` characters as a `kind` piece → the characters kept."""
+    if len(text) > keep:
+        out.append((kind, text[: len(text) - keep]))
+    return text[len(text) - keep:]
+
+
 def _json_values(text: str) -> list | None:
     """Every JSON value in `text`, separated by whitespace or ';' (Llama 3's parallel calls); None if
     anything else is there."""
@@ -95,10 +102,7 @@ class ReplyParser:
         if self.think == "open":
             end = self.pending.find(THINK_CLOSE)
             if end < 0:
-                keep = _held(self.pending, THINK_CLOSE)
-                if len(self.pending) > keep:
-                    out.append(("reasoning", self.pending[: len(self.pending) - keep]))
-                self.pending = self.pending[len(self.pending) - keep:]
+                self.pending = _release("reasoning", self.pending, _held(self.pending, THINK_CLOSE), out)
                 return out
             if end:
                 out.append(("reasoning", self.pending[:end]))
@@ -151,9 +155,7 @@ class ReplyParser:
                 if at < 0:
                     keep = _held(self.body, open_) or (len(self.body) if self.mode == "mistral" and
                                                        '[{"name"'.startswith(self.body.lstrip()) else 0)
-                    if len(self.body) > keep:
-                        out.append(("content", self.body[: len(self.body) - keep]))
-                    self.body = self.body[len(self.body) - keep:]
+                    self.body = _release("content", self.body, keep, out)
                     return out
                 if at:
                     out.append(("content", self.body[:at]))

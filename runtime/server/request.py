@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
+from lowbit.runtime.load.chat_template import REASONING_FIELDS
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
 from lowbit.runtime.server.reply import THINK_OPEN
 from lowbit.runtime.server.tools import ToolPlan, history_message, parse_tools, prompt_messages
@@ -239,7 +240,7 @@ class RequestParser:
                 raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
             role = "system" if m["role"] == "developer" else m["role"]
             msg = {"role": role, "content": content, **history_message(i, m)}
-            reasoning = next((m[k] for k in ("reasoning_content", "reasoning", "thinking") if m.get(k)), None)
+            reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k)), None)
             if role == "assistant" and reasoning is not None:
                 if not isinstance(reasoning, str):
                     raise bad_request(f"messages[{i}].reasoning_content must be a string", "messages")

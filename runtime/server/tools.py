@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lowbit.runtime.server.errors import bad_request
 
@@ -124,7 +124,7 @@ def parse_tools(body: dict, template: str | None) -> ToolPlan | None:
         raise bad_request("tool_choice must be 'auto', 'none', 'required' or "
                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
     plan = ToolPlan(tuple(parsed), choice, named, parallel, template_format(template))
-    return ToolPlan(plan.tools, plan.choice, plan.named, plan.parallel, plan.format, reply_schema(plan))
+    return replace(plan, schema=reply_schema(plan))
 
 
 def _call_schema(t: Tool, args_key: str = "arguments") -> dict:
