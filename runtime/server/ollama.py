@@ -478,6 +478,15 @@ def add_ollama_routes(app: FastAPI, core) -> None:
         served = state.require()
         return served, _json_body(await request.body())
 
+    async def generation(request: Request):
+        """A generating route's start: (t0, served, body, the model name answered, stream)."""
+        t0 = time.perf_counter()
+        served, body = await served_body(request)
+        name = _resolve(served, body.get("model"))
+        stream = _flag(body, "stream", True)
+        _check_think(body)
+        return t0, served, body, name, stream
+
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root():
         return PlainTextResponse("Ollama is running")
@@ -527,11 +536,7 @@ def add_ollama_routes(app: FastAPI, core) -> None:
     @app.post("/api/chat")
     @_ollama_errors
     async def chat(request: Request):
-        t0 = time.perf_counter()
-        served, body = await served_body(request)
-        name = _resolve(served, body.get("model"))
-        stream = _flag(body, "stream", True)
-        _check_think(body)
+        t0, served, body, name, stream = await generation(request)
         messages = body.get("messages") or []
         if not messages:  # Ollama's way to load (or, with keep_alive 0, unload) a model
             return {"model": name, "created_at": _now(), "message": {"role": "assistant", "content": ""},
@@ -560,12 +565,8 @@ def add_ollama_routes(app: FastAPI, core) -> None:
     @app.post("/api/generate")
     @_ollama_errors
     async def generate(request: Request):
-        t0 = time.perf_counter()
-        served, body = await served_body(request)
-        name = _resolve(served, body.get("model"))
-        stream = _flag(body, "stream", True)
+        t0, served, body, name, stream = await generation(request)
         raw = _flag(body, "raw", False)
-        _check_think(body)
         prompt, system = body.get("prompt"), body.get("system")
         for key, value in (("prompt", prompt), ("system", system), ("suffix", body.get("suffix")),
                            ("template", body.get("template"))):
