@@ -10,9 +10,11 @@ from lowbit.runtime.errors import LowbitError
 
 def add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="serve the model on an OpenAI-compatible HTTP port",
-                           description="Load the model and serve /v1/chat/completions, /v1/completions and "
-                                       "/v1/models (OpenAI's API) plus /health. Point OpenAI clients at the "
-                                       "logged base URL (OPENAI_BASE_URL).")
+                           description="Load the model and serve OpenAI's API (/v1/chat/completions with tools "
+                                       "and reasoning, /v1/completions, /v1/responses, /v1/embeddings, "
+                                       "/v1/models), /tokenize, /detokenize, /health, /metrics, and Ollama's "
+                                       "/api/* on the same port. Point OpenAI clients at the logged base URL "
+                                       "(OPENAI_BASE_URL), Ollama clients at OLLAMA_HOST (e.g. --port 11434).")
     serve.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                        help="alias, .gguf path or HF directory (same as --model)")
     add_model_args(serve)
