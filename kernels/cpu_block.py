@@ -11,8 +11,9 @@ bit for bit, the row the unfused path computes; the model uses this form only fo
 matmuls are all on the fast kernel (models/llama.py).
 
 Taken only where the C kernels build and every weight of the block is in lowbit's int4 or int8
-tile layout with no padding rows or columns, QKV and gate/up each fused into one matrix (what the
-default model's GGUF gives); otherwise `fused_block` returns None and the block runs op by op.
+tile layout with no padding rows or columns and no input permutation (act-order GPTQ), QKV and gate/up
+each fused into one matrix (what the default model's GGUF gives); otherwise `fused_block` returns None
+and the block runs op by op.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from lowbit.kernels.int8_mm import Int8Packed
 
 
 def _linear(w, bias: torch.Tensor | None, native) -> "cpu_native._Linear | None":
+    if getattr(w, "in_perm", None) is not None:  # input columns permuted (act-order GPTQ): the C block reads x
+        return None  # in order, so such a layer runs through QuantLinear.forward (quant/linear.py)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     if not isinstance(w, (Int4Packed, Int8Packed)) or w.native is not native:  # one set of kernels per block

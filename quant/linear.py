@@ -24,6 +24,7 @@ from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack
 from lowbit.kernels.int8_mm import Int8Packed, int8_mm, int8_pack
 from lowbit.kernels.wq_mm import wq_mm, wq_pack_int4, wq_pack_int8, wq_rows
 from lowbit.quant import BnbWeight, FloatWeight, Int4Weight, Int8Weight, Weight
+from lowbit.quant.gptq import PermutedWeight
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,11 @@ def fuse_rows(weights: list[Weight]) -> Weight | None:
     first = weights[0]
     if isinstance(first, BnbWeight):  # bitsandbytes multiplies each matrix on its own, as transformers does
         return None
+    if any(isinstance(w, PermutedWeight) for w in weights):  # act-order GPTQ: one input order for all, kept
+        if not all(isinstance(w, PermutedWeight) and torch.equal(w.in_perm, first.in_perm) for w in weights):
+            return None
+        inner = fuse_rows([w.weight for w in weights])
+        return None if inner is None else PermutedWeight(inner, first.in_perm)
     if any(type(w) is not type(first) or w.spec != first.spec or w.in_features != first.in_features for w in weights):
         return None
     if isinstance(first, Int4Weight):
@@ -185,25 +191,36 @@ class QuantLinear(nn.Module):
                  spec_name: str | None = None, packed: bool = False):
         super().__init__()
         self.spec_name = spec_name or weight.spec.name  # an already packed table passes its layout's name
+        perm = weight.in_perm if isinstance(weight, PermutedWeight) else None  # act-order GPTQ (quant/gptq.py)
+        weight = weight.weight if perm is not None else weight
         self.w = weight if packed else kernels.pack(weight)
         self.matmul = kernels.matmul
         _register(self, self.w)
         device = self.w.weight.device if isinstance(self.w, FloatWeight) else next(
             t.device for t in vars(self.w).values() if isinstance(t, torch.Tensor))
         self.register_buffer("bias", None if bias is None else bias.float().to(device), persistent=False)
+        # int64 [K]: the input columns in the weight's stored order. The packed form is then kept wrapped,
+        # so code that multiplies packed forms itself (kernels/cpu_block.py) sees it is not plain and
+        # leaves this layer to forward().
+        self.register_buffer("in_perm", None if perm is None else perm.to(device), persistent=False)
+        if perm is not None:
+            self.w = PermutedWeight(self.w, self.in_perm)
 
     def forward(self, x: torch.Tensor, exact: bool | None | ExactRows = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        w = self.w
+        if self.in_perm is not None:
+            x2, w = x2[:, self.in_perm], w.weight  # [M, K] in the weight's column order
         if isinstance(exact, ExactRows):
             m = exact.mask
-            y_exact = self.matmul(x2[m], self.w, True, out_dtype)  # [E, N]
+            y_exact = self.matmul(x2[m], w, True, out_dtype)  # [E, N]
             y = torch.empty((x2.shape[0], y_exact.shape[1]), dtype=y_exact.dtype, device=x2.device)  # [M, N]
             y[m] = y_exact
-            y[~m] = self.matmul(x2[~m], self.w, False, out_dtype).to(y.dtype)
+            y[~m] = self.matmul(x2[~m], w, False, out_dtype).to(y.dtype)
         else:
-            y = self.matmul(x2, self.w, exact, out_dtype)  # [M, N]
+            y = self.matmul(x2, w, exact, out_dtype)  # [M, N]
         if self.bias is not None:
             y = (y.float() + self.bias).to(y.dtype)
         return y.reshape(*lead, -1)

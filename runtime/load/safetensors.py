@@ -8,6 +8,12 @@ wrong or truncated checkpoint fails at once with one line naming file and tensor
 
 HF keeps Q/K rows in rotate-half order, which is the model's own convention: no permutation here
 (GGUF `llama` files need one; see runtime/load/gguf.py).
+
+Pre-quantized 4-bit GPTQ and AWQ checkpoints (config.json `quantization_config`, quant/gptq.py): each
+quantized linear is a module's qweight / qzeros / scales (/ g_idx) instead of its `.weight`, checked
+against config.json like any tensor and relayed into the lowbit layout that holds it exactly, whatever
+the target (a float target other than f32 would round it: refused; f32 dequantizes it exactly).
+Embeddings, LM head, norms and biases load as in a full-precision checkpoint.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from lowbit.models.config import LlamaConfig
 from lowbit.quant import WeightSpec, parse_weights, quantize_weight
+from lowbit.quant.dense import to_float
+from lowbit.quant.gptq import PackedSpec, dequantize, parse_quantization_config, to_lowbit
 from lowbit.runtime.errors import LowbitError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -36,6 +45,8 @@ LAYER_VECTORS = MappingProxyType({"attn_norm": "input_layernorm.weight", "ffn_no
 LAYER_BIASES = MappingProxyType({"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"})
 # Buffers some older checkpoints saved alongside the weights; recomputed from config, never read.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+DTYPES = MappingProxyType({"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+                           "F32": torch.float32})  # safetensors' names of the dtypes packed tensors come in
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -94,10 +105,10 @@ def load_hf_dir(path: Path, target: WeightSpec,
     if not path.is_dir():
         raise LowbitError(f"{path}: not a directory (expected a Hugging Face checkpoint: config.json + *.safetensors)")
     cfg = read_config(path)
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
-        raise LowbitError(f"{path / 'config.json'}: pre-quantized checkpoint ({method}) is not supported; "
-                          "use the full-precision checkpoint and let lowbit quantize it")
+    packed = _packed_spec(path, cfg)
+    if packed is not None and not target.quantized and target.float_dtype != "float32":
+        raise LowbitError(f"{path}: --weights {target.name} would round this {packed.method} checkpoint's weights; "
+                          "use auto (its own 4-bit layout) or f32 (dequantized exactly)")
     try:
         config = LlamaConfig.from_hf(cfg)
     except KeyError as e:
@@ -114,14 +125,28 @@ def load_hf_dir(path: Path, target: WeightSpec,
         vocab = int(where[embed_name][1].get_slice(embed_name).get_shape()[0])
         if vocab != config.vocab_size:  # padded tables: the tensor is the truth, as for GGUF
             config = dataclasses.replace(config, vocab_size=vocab)
-        plan = _plan(config, prefix)
-        _check(path, plan, where)
-        weights = _convert(config, plan, where, target, progress)
+        plan = _plan(config, prefix, packed)
+        _check(path, plan, where, packed)
+        weights = _convert(config, plan, where, target, progress, packed)
     return config, weights, cfg
 
 
-def _plan(c: LlamaConfig, prefix: str) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """(lowbit name, HF name, expected shape, kind) in load order; kind is matrix, head or vector."""
+def _packed_spec(path: Path, cfg: dict) -> PackedSpec | None:
+    """config.json's quantization_config → its spec (quant/gptq.py); None for a full-precision checkpoint."""
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        raise LowbitError(f"{path / 'config.json'}: quantization_config is not a JSON object")
+    try:
+        return parse_quantization_config(qc)
+    except ValueError as e:
+        raise LowbitError(f"{path / 'config.json'}: {e}") from None
+
+
+def _plan(c: LlamaConfig, prefix: str, packed: PackedSpec | None = None) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(lowbit name, HF name, expected shape, kind) in load order; kind is matrix, head or vector, or
+    packed: a pre-quantized linear, named by its module (`….q_proj`), whose tensors `packed` lists."""
     D, Dq, Dkv = c.dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     plan = [("embed", prefix + "embed_tokens.weight", (c.vocab_size, D), "head"),
             ("norm", prefix + "norm.weight", (D,), "vector")]
@@ -133,16 +158,26 @@ def _plan(c: LlamaConfig, prefix: str) -> list[tuple[str, str, tuple[int, ...], 
     for i in range(c.n_layers):
         hp, lp = f"{prefix}layers.{i}.", f"layers.{i}."
         plan += [(lp + n, hp + hf, (D,), "vector") for n, hf in LAYER_VECTORS.items()]
-        plan += [(lp + n, hp + hf, mats[n], "matrix") for n, hf in LAYER_MATRICES.items()]
+        for n, hf in LAYER_MATRICES.items():
+            module = hp + hf.removesuffix(".weight")
+            # modules_to_not_convert: a substring of the module's name, as transformers matches them
+            if packed is not None and not any(m in module for m in packed.keep_float):
+                plan.append((lp + n, module, mats[n], "packed"))
+            else:
+                plan.append((lp + n, hp + hf, mats[n], "matrix"))
         if c.qkv_bias:
             plan += [(lp + n, hp + hf, biases[n], "vector") for n, hf in LAYER_BIASES.items()]
     return plan
 
 
-def _check(path: Path, plan, where: dict) -> None:
+def _check(path: Path, plan, where: dict, packed: PackedSpec | None = None) -> None:
     """Every tensor present with the shape config.json implies, and nothing the model would ignore."""
-    wanted = set()
-    for _, name, shape, _ in plan:
+    wanted, modules = set(), set()
+    for _, name, shape, kind in plan:
+        if kind == "packed":
+            modules.add(name)
+            wanted |= _check_packed(path, name, shape, where, packed)
+            continue
         wanted.add(name)
         if name not in where:
             raise LowbitError(f"{path}: missing tensor {name}")
@@ -150,21 +185,53 @@ def _check(path: Path, plan, where: dict) -> None:
         got = tuple(int(s) for s in handle.get_slice(name).get_shape())
         if got != shape:
             raise LowbitError(f"{f}: tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
-    for name, (f, _) in where.items():
+    for name, (f, handle) in where.items():
         if name in wanted or name.endswith(IGNORED_SUFFIXES) or name == "lm_head.weight":
             continue  # lm_head.weight next to tie_word_embeddings=true: a duplicate of the table
+        if name.removesuffix(".bias") in modules and not handle.get_tensor(name).any():
+            continue  # GPTQ-for-LLaMa's QuantLinear saved a zero bias on every linear: adding 0 changes nothing
         # e.g. o_proj.bias / mlp biases (attention_bias, mlp_bias): silently dropping them would
         # give a model that loads and computes the wrong thing.
         raise LowbitError(f"{f}: tensor {name} is not part of a lowbit Llama-family model (unsupported variant)")
 
 
-def _convert(c: LlamaConfig, plan, where: dict, target: WeightSpec, progress) -> dict[str, Any]:
+def _check_packed(path: Path, module: str, shape: tuple[int, int], where: dict, packed: PackedSpec) -> set[str]:
+    """One pre-quantized linear's tensors, by shape and dtype → their names."""
+    try:
+        tensors = packed.tensors(*shape)
+    except ValueError as e:
+        raise LowbitError(f"{path}: {module}: {e}") from None
+    names = set()
+    for suffix, (want, dtypes) in tensors.items():
+        name = f"{module}.{suffix}"
+        if name not in where:
+            if suffix in packed.optional:
+                continue
+            raise LowbitError(f"{path}: missing tensor {name} ({packed.method} checkpoint)")
+        f, handle = where[name]
+        sl = handle.get_slice(name)
+        got = tuple(int(s) for s in sl.get_shape())
+        if got != want:
+            raise LowbitError(f"{f}: tensor {name} has shape {list(got)}, config.json implies {list(want)}")
+        if DTYPES.get(sl.get_dtype()) not in dtypes:
+            raise LowbitError(f"{f}: tensor {name} has dtype {sl.get_dtype()}, expected one of "
+                              f"{', '.join(k for k, v in DTYPES.items() if v in dtypes)}")
+        names.add(name)
+    return names
+
+
+def _convert(c: LlamaConfig, plan, where: dict, target: WeightSpec, progress,
+             packed: PackedSpec | None = None) -> dict[str, Any]:
     # Embedding and LM head: int8-g32 when the target is quantized (int4 or int8) — they are a large
     # share of a small model's bytes but set the quality of every logit — else the float target.
     head_spec = parse_weights("int8-g32") if target.quantized else target
     weights: dict[str, Any] = {}
     layer_of = [int(n.split(".")[1]) if n.startswith("layers.") else None for n, _, _, _ in plan]
-    for j, (lname, name, _, kind) in enumerate(plan):
+    for j, (lname, name, shape, kind) in enumerate(plan):
+        if kind == "packed":
+            weights[lname] = _relay(name, shape, where, target, packed)
+            _progress(progress, layer_of, j)
+            continue
         f, handle = where[name]
         t = handle.get_tensor(name)  # source dtype (bf16/fp16/fp32); the quantizer takes it as is
         if not t.is_floating_point():
@@ -174,10 +241,26 @@ def _convert(c: LlamaConfig, plan, where: dict, target: WeightSpec, progress) ->
         else:
             weights[lname] = quantize_weight(t, head_spec if kind == "head" else target)
         del t
-        i = layer_of[j]
-        if progress and i is not None and (j + 1 == len(plan) or layer_of[j + 1] != i):
-            progress(i + 1)  # after a layer's last tensor, 1-based like the GGUF loader
+        _progress(progress, layer_of, j)
     return weights
+
+
+def _progress(progress, layer_of: list, j: int) -> None:
+    i = layer_of[j]
+    if progress and i is not None and (j + 1 == len(layer_of) or layer_of[j + 1] != i):
+        progress(i + 1)  # after a layer's last tensor, 1-based like the GGUF loader
+
+
+def _relay(module: str, shape: tuple[int, int], where: dict, target: WeightSpec, packed: PackedSpec):
+    """One pre-quantized linear → the lowbit layout holding it exactly (quant/gptq.py), or its exact fp32
+    dequantization for an f32 target."""
+    names = [s for s in packed.tensors(*shape) if f"{module}.{s}" in where]
+    tensors = {s: where[f"{module}.{s}"][1].get_tensor(f"{module}.{s}") for s in names}
+    try:
+        u = packed.unpack(**tensors)
+        return to_lowbit(u) if target.quantized else to_float(dequantize(u), target)
+    except ValueError as e:
+        raise LowbitError(f"{where[f'{module}.qweight'][0]}: {module}: {e}") from None
 
 
 __all__ = ["load_hf_dir", "read_config", "shard_files"]
