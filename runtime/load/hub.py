@@ -1,0 +1,423 @@
+"""`hf:ORG/REPO[:QUANT]`: a model on the Hugging Face hub, pulled into the huggingface_hub cache.
+
+A GGUF repo holds one file per quantization (`SmolLM2-135M-Instruct-Q4_K_M.gguf`, `model.q8_0.gguf`):
+the ref's QUANT (default Q4_K_M) picks one by the quant token in its name. A repo with no GGUF but
+config.json + *.safetensors is fetched whole (config, tokenizer files, shards) and lowbit quantizes it
+at load. Files land in the standard cache (HF_HOME / HF_HUB_CACHE), so `hf:` refs resolve offline
+afterwards and other tools share the download.
+
+Resuming: huggingface_hub >= 1.x downloads into a process-unique `<etag>.<uuid>.incomplete` file and
+deletes it on failure, so an interrupted multi-GB pull starts over. lowbit fills the cache blob
+itself first, appending to `blobs/<etag>.incomplete` with an HTTP Range request, checks the bytes
+against the etag (sha256 for LFS files, git blob sha1 for small ones), and then lets
+`hf_hub_download` link the finished blob into the snapshot and write `refs/main`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import re
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+from urllib.parse import urlsplit
+
+from lowbit.runtime.errors import LowbitError
+
+PREFIX = "hf:"
+DEFAULT_QUANT = "Q4_K_M"  # llama.cpp's usual default: ~4.8 bits per weight, small loss
+REF_SYNTAX = "hf:ORG/REPO[:QUANT]"
+# A GGUF file name's quant token: Q4_0, Q4_K_M, IQ2_XXS, TQ1_0, Q4_0_4_4, F16, BF16, MXFP4 … bounded by
+# a non-alphanumeric character (`-`, `.`, `_`) or the end, so `135M` or `Qwen2` never match.
+QUANT_TOKEN = re.compile(
+    r"(?<![A-Za-z0-9])((?:I?Q|TQ)\d(?:_(?:\d+|K|NL|XXS|XS|S|M|L|XL))*|BF16|F16|F32|MXFP4(?:_MOE)?)(?![A-Za-z0-9])",
+    re.IGNORECASE)
+SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)  # llama.cpp's gguf-split naming
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+# What lowbit's HF-directory loader reads besides the weights (runtime/load/safetensors.py, tokenizer.py).
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class HubRef:
+    repo_id: str
+    quant: str | None  # None: Q4_K_M, else the repo's only GGUF
+    revision: str = "main"
+
+    def __str__(self) -> str:
+        return f"{PREFIX}{self.repo_id}" + (f":{self.quant}" if self.quant else "")
+
+
+def parse_ref(ref: str) -> HubRef:
+    repo_id, colon, quant = ref.removeprefix(PREFIX).partition(":")
+    if not REPO_ID.fullmatch(repo_id) or (colon and not quant):
+        raise LowbitError(f"bad model reference {ref!r}: expected {REF_SYNTAX}, e.g. "
+                          "hf:bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M")
+    return HubRef(repo_id, quant or None)
+
+
+# ---- which file(s) of a repo ---------------------------------------------------------------------
+
+def quant_of(filename: str) -> str | None:
+    """The quant token of a GGUF file name (the last one: `Llama-3-8B-Q4_K_M` → Q4_K_M), upper case."""
+    found = QUANT_TOKEN.findall(Path(filename).name.removesuffix(".gguf").removesuffix(".GGUF"))
+    return found[-1].upper() if found else None
+
+
+def _ggufs(files: list[str]) -> list[str]:
+    # mmproj-*.gguf are vision projectors shipped next to the language model, never the model itself
+    return sorted(f for f in files if f.lower().endswith(".gguf") and not Path(f).name.lower().startswith("mmproj"))
+
+
+def pick_gguf(files: list[str], ref: HubRef, where: str, only_fallback: bool = True) -> str:
+    """The GGUF file `ref` names among `files`; `where` says whose list it is, for the error."""
+    ggufs = _ggufs(files)
+    want = ref.quant or DEFAULT_QUANT
+    if want.lower().endswith(".gguf"):  # a file name, for repos whose names carry no quant token
+        hits = [f for f in ggufs if f == want or Path(f).name == want]
+    else:
+        hits = [f for f in ggufs if quant_of(f) == want.upper()]
+        if not hits:  # a token QUANT_TOKEN does not parse, bounded by `-`, `.` or `_`; or a prefix of
+            # one (Q4_K matches Q4_K_M and Q4_K_S: ambiguous, and the error below says so)
+            bounded = re.compile(rf"(?:^|[-._]){re.escape(want)}(?:[-._]|$)", re.IGNORECASE)
+            hits = [f for f in ggufs if bounded.search(Path(f).name.removesuffix(".gguf"))]
+    if not hits and ref.quant is None and only_fallback and len(ggufs) == 1:
+        hits = ggufs
+    parts = [f for f in hits if SPLIT_PART.search(f)]
+    if parts and len(parts) == len(hits):
+        n = int(SPLIT_PART.search(parts[0]).group(2))
+        raise LowbitError(f"{ref}: {Path(parts[0]).name} is split into {n} files; lowbit loads single-file GGUFs "
+                          "only (merge them with llama.cpp's `llama-gguf-split --merge`)")
+    hits = [f for f in hits if f not in parts]
+    if len(hits) > 1:
+        raise LowbitError(f"{ref}: {len(hits)} GGUF files match {want} {where} ({', '.join(hits)}); "
+                          f"name one as {PREFIX}{ref.repo_id}:FILE.gguf")
+    if not hits:
+        quants = sorted({quant_of(f) or Path(f).name for f in ggufs})
+        raise LowbitError(f"{ref}: no {want} GGUF {where}; there: {', '.join(quants) or 'no GGUF files'} "
+                          f"(pick one as {PREFIX}{ref.repo_id}:QUANT)")
+    return hits[0]
+
+
+def _is_hf_dir(files: list[str]) -> bool:
+    return "config.json" in files and any(f.endswith(".safetensors") and "/" not in f for f in files)
+
+
+def _shards(files: list[str], index: Path | None) -> list[str]:
+    """The safetensors files to fetch: those the index names, else every top-level one (Mistral's
+    own-format consolidated.safetensors skipped when HF-format files sit next to it)."""
+    if index is not None:
+        try:
+            return sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise LowbitError(f"{index}: unreadable shard index ({type(e).__name__}: {e})") from None
+    top = sorted(f for f in files if f.endswith(".safetensors") and "/" not in f)
+    return [f for f in top if not f.startswith("consolidated")] or top
+
+
+# ---- the local cache: no network -----------------------------------------------------------------
+
+def _require_hf() -> None:
+    """huggingface_hub is needed only for `hf:` refs (it is not a dependency of lowbit's own)."""
+    try:
+        importlib.import_module("huggingface_hub")
+    except ImportError:
+        raise LowbitError(f"{REF_SYNTAX} references need huggingface_hub: pip install huggingface_hub") from None
+
+
+def _storage(repo_id: str) -> Path:
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    # read at call time, not import time: HF_HUB_CACHE is where huggingface_hub writes right now
+    return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+
+
+def _snapshot(ref: HubRef) -> Path | None:
+    """The cached snapshot `refs/<revision>` points at (huggingface_hub's documented cache layout)."""
+    storage = _storage(ref.repo_id)
+    try:
+        commit = (storage / "refs" / ref.revision).read_text().strip()
+    except OSError:
+        return None
+    snap = storage / "snapshots" / commit
+    return snap if snap.is_dir() else None
+
+
+def _files_in(snap: Path) -> list[str]:
+    # is_file() follows the symlink: an entry whose blob was deleted (`hf cache delete`) is not there
+    return sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file())
+
+
+def cached(ref: HubRef, exact_only: bool) -> Path | None:
+    """The cached file or directory `ref` names, without the network. exact_only: only an exact quant
+    match (a repo's "only GGUF" is only known from the hub's full file list)."""
+    snap = _snapshot(ref)
+    if snap is None:
+        return None
+    files = _files_in(snap)
+    if _ggufs(files):
+        if exact_only:
+            try:
+                return snap / pick_gguf(files, ref, "in the cache", only_fallback=False)
+            except LowbitError:
+                return None
+        return snap / pick_gguf(files, ref, f"in the cache ({snap})")
+    if ref.quant is None and _is_hf_dir(files):
+        index = snap / INDEX_NAME
+        if all((snap / f).is_file() for f in _shards(files, index if index.is_file() else None)):
+            return snap  # every shard there: an interrupted pull leaves some missing
+    return None
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Connection and timeout errors of the HTTP client huggingface_hub uses (httpx2 in 2.x, httpx in
+    1.x); OfflineModeIsEnabled is a ConnectionError."""
+    out: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for name in ("httpx2", "httpx"):
+        try:
+            out.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(out)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+@contextmanager
+def _hub_errors(ref: HubRef, doing: str) -> Iterator[None]:
+    """huggingface_hub's exceptions → one line that says what to do. doing: 'list' or 'download'."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    endpoint, repo = constants.ENDPOINT, ref.repo_id
+    try:
+        yield
+    except OfflineModeIsEnabled:
+        raise LowbitError(f"{ref} is not in the cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set; "
+                          f"unset it and run: lowbit pull {ref}") from None
+    except GatedRepoError:
+        raise LowbitError(f"{ref}: {repo} is gated on {endpoint}: accept its terms at {endpoint}/{repo} "
+                          "and set HF_TOKEN to a token of that account") from None
+    except RepositoryNotFoundError:
+        raise LowbitError(f"{ref}: repo {repo} not found on {endpoint} (if it is private, set HF_TOKEN "
+                          "to a token with access)") from None
+    except RevisionNotFoundError:
+        raise LowbitError(f"{ref}: {repo} has no revision {ref.revision!r} on {endpoint}") from None
+    except HfHubHTTPError as e:
+        code = e.response.status_code if e.response is not None else None
+        if code in (401, 403):
+            raise LowbitError(f"{ref}: {endpoint} refused access to {repo} (HTTP {code}); set HF_TOKEN to a "
+                              "token with read access") from None
+        raise LowbitError(f"{ref}: {endpoint} answered HTTP {code} ({_first_line(e)})") from None
+    except _transport_errors() as e:
+        if doing == "list":
+            raise LowbitError(f"{ref}: cannot reach the Hugging Face hub at {endpoint} ({_first_line(e)})") from None
+        raise LowbitError(f"{ref}: the download from {endpoint} broke off ({_first_line(e)}); run the same "
+                          "command again to resume it") from None
+    except OSError as e:  # a short file (size check), a full disk, an answer without hub headers
+        raise LowbitError(f"{ref}: {'listing' if doing == 'list' else 'downloading'} {repo} from {endpoint} "
+                          f"failed ({_first_line(e)})") from None
+
+
+# ---- downloading ---------------------------------------------------------------------------------
+
+def _shown_bar():
+    """A tqdm class that draws on stderr even when it is not a terminal: huggingface_hub's own bars
+    pass disable=None, which hides them there, and a multi-GB pull in a CI log would say nothing for
+    minutes. HF_HUB_DISABLE_PROGRESS_BARS=1 still hides it."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from tqdm import tqdm
+
+    class ShownBar(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)  # huggingface_hub's bar-group name; plain tqdm rejects it
+            kwargs["disable"] = are_progress_bars_disabled()
+            kwargs.setdefault("file", sys.stderr)
+            if not sys.stderr.isatty():
+                kwargs.setdefault("mininterval", 5.0)  # a log line every 5 s, not ten a second
+            super().__init__(*args, **kwargs)
+
+    return ShownBar
+
+
+def _matches_etag(path: Path, etag: str) -> bool:
+    """The hub's etag is the sha256 of an LFS file, the git blob sha1 of a small one; anything else
+    (a mirror's own etags) cannot be checked and passes."""
+    if re.fullmatch(r"[0-9a-f]{64}", etag):
+        h = hashlib.sha256()
+    elif re.fullmatch(r"[0-9a-f]{40}", etag):
+        h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
+    else:
+        return True
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest() == etag
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n:,} bytes"
+
+
+def _fill_blob(ref: HubRef, filename: str, say: Callable[[str], None], bar) -> None:
+    """Download `filename` into its cache blob, resuming a `blobs/<etag>.incomplete` left by an earlier
+    run. The lock is the one hf_hub_download takes for this blob, so two pulls never append together."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+
+    url = hf_hub_url(ref.repo_id, filename, revision=ref.revision, endpoint=constants.ENDPOINT)
+    meta = get_hf_file_metadata(url, endpoint=constants.ENDPOINT)  # HEAD; sends HF_TOKEN when set
+    if not meta.etag or not meta.commit_hash:
+        return  # not a hub-shaped answer: hf_hub_download raises its own error for it
+    storage = _storage(ref.repo_id)
+    blob = storage / "blobs" / meta.etag
+    if blob.exists():
+        return
+    part = blob.with_name(blob.name + ".incomplete")
+    lock = Path(constants.HF_HUB_CACHE) / ".locks" / storage.name / f"{meta.etag}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    with WeakFileLock(lock):
+        if blob.exists():  # another process finished it while we waited
+            return
+        have = part.stat().st_size if part.exists() else 0
+        if meta.size is not None and have > meta.size:
+            part.unlink()  # longer than the file: not a prefix of it
+            have = 0
+        size = f" ({_size(meta.size)})" if meta.size is not None else ""
+        say(f"{'resuming' if have else 'downloading'} {filename}{size} from {constants.ENDPOINT}/{ref.repo_id}"
+            + (f" at {_size(have)}" if have else ""))
+        headers = build_hf_headers()
+        headers["Accept-Encoding"] = "identity"  # byte offsets of a Range must be offsets into the file
+        hub_hosts = {urlsplit(url).hostname, *getattr(constants, "HF_URL_HOSTS", ())}  # the set is 2.x's
+        if urlsplit(meta.location).hostname not in hub_hosts:
+            headers.pop("authorization", None)  # a signed CDN URL: the token stays on the hub
+        with open(part, "ab") as f:  # append: the bytes already there are the file's first `have`
+            http_get(meta.location, f, resume_size=have, headers=headers, expected_size=meta.size,
+                     displayed_filename=Path(filename).name, tqdm_class=bar)
+        if not _matches_etag(part, meta.etag):
+            part.unlink()
+            raise LowbitError(f"{ref}: {filename} does not match the hub's hash {meta.etag}; removed the "
+                              "partial download, run the pull again")
+        os.replace(part, blob)  # atomic: a half-written blob is never seen as the file
+
+
+def _fetch(ref: HubRef, filename: str, say: Callable[[str], None], bar) -> Path:
+    """One repo file → its path in the cache snapshot (downloaded unless already there)."""
+    from huggingface_hub import constants, hf_hub_download
+
+    with _hub_errors(ref, "download"):
+        _fill_blob(ref, filename, say, bar)
+        # the blob is there now: this only links it into snapshots/<commit>/ and writes refs/<revision>
+        return Path(hf_hub_download(ref.repo_id, filename, revision=ref.revision, cache_dir=constants.HF_HUB_CACHE,
+                                    endpoint=constants.ENDPOINT, tqdm_class=bar))
+
+
+def pull(ref_text: str, progress: Callable[[str], None] | None = None) -> Path:
+    """Fetch what `ref_text` names into the hub cache → the .gguf file or the snapshot directory.
+    With the hub unreachable (or HF_HUB_OFFLINE=1) a cached copy is used instead."""
+    ref = parse_ref(ref_text)
+    _require_hf()
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    say = progress or (lambda s: None)
+    if constants.is_offline_mode():
+        try:
+            local = cached(ref, exact_only=False)
+        except LowbitError as e:  # a snapshot without the quant asked for
+            raise LowbitError(f"{e}; HF_HUB_OFFLINE is set, so the hub was not asked") from None
+        if local is None:
+            with _hub_errors(ref, "list"):
+                raise OfflineModeIsEnabled(str(ref))
+        return local
+    try:
+        with _hub_errors(ref, "list"):
+            # a bounded wait: the client's default is none, and a firewalled hub would hang here
+            info = HfApi(endpoint=constants.ENDPOINT).model_info(ref.repo_id, revision=ref.revision,
+                                                                 timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except LowbitError as e:
+        try:
+            local = cached(ref, exact_only=False)  # no answer from the hub, but a copy here: run offline
+        except LowbitError:
+            local = None  # a snapshot without the quant asked for: the hub's error is the one to see
+        if local is None:
+            raise e from None
+        say(f"{e}; using the cached {local}")
+        return local
+    files = [s.rfilename for s in info.siblings or []]
+    bar = _shown_bar() if progress is not None else None
+    if _ggufs(files):
+        return _fetch(ref, pick_gguf(files, ref, f"in {ref.repo_id}"), say, bar)
+    if not _is_hf_dir(files):
+        shown = ", ".join(files[:8]) + (", …" if len(files) > 8 else "")
+        raise LowbitError(f"{ref}: {ref.repo_id} has neither .gguf files nor config.json + *.safetensors "
+                          f"(files: {shown or 'none'})")
+    if ref.quant is not None:
+        raise LowbitError(f"{ref}: {ref.repo_id} has no GGUF files, only safetensors; drop :{ref.quant} and "
+                          "lowbit quantizes it at load (--weights picks the layout)")
+    side = [f for f in (*HF_SIDE_FILES, INDEX_NAME) if f in files]
+    paths = {f: _fetch(ref, f, say, bar) for f in side}  # small files first: the index names the shards
+    for f in _shards(files, paths.get(INDEX_NAME)):
+        paths[f] = _fetch(ref, f, say, bar)
+    return paths["config.json"].parent
+
+
+def resolve(ref_text: str, auto_pull: bool = True, progress: Callable[[str], None] | None = None) -> Path:
+    """`hf:` ref → a local path: the cached copy without touching the network when the ref names it
+    exactly, else a pull (which falls back to the cache when the hub cannot be reached)."""
+    ref = parse_ref(ref_text)
+    _require_hf()
+    local = cached(ref, exact_only=True)
+    if local is not None:
+        return local
+    if not auto_pull:
+        raise LowbitError(f"model {str(ref)!r} is not in the cache; run: lowbit pull {ref}")
+    return pull(ref_text, progress)
+
+
+# ---- lowbit models -------------------------------------------------------------------------------
+
+def cached_models() -> list[tuple[str, str, int, Path]]:
+    """(name, format, bytes, path) for each model in the hub cache, named as `hf:` refs that resolve
+    to it. Empty without huggingface_hub or a cache."""
+    try:
+        from huggingface_hub import constants, scan_cache_dir
+        from huggingface_hub.errors import CacheNotFound
+    except ImportError:
+        return []
+    try:
+        info = scan_cache_dir(constants.HF_HUB_CACHE)
+    except (CacheNotFound, OSError):
+        return []
+    out = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        rev = (next((r for r in repo.revisions if "main" in r.refs), None)
+               or max(repo.revisions, key=lambda r: r.last_modified))
+        by_name = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
+        ggufs = [f for f in _ggufs(list(by_name)) if not SPLIT_PART.search(f)]
+        quants = [quant_of(f) for f in ggufs]
+        for f, q in zip(ggufs, quants):
+            tag = q if q is not None and quants.count(q) == 1 else f
+            out.append((f"{PREFIX}{repo.repo_id}:{tag}", "gguf", by_name[f].size_on_disk, by_name[f].file_path))
+        if not ggufs and _is_hf_dir(list(by_name)):
+            size = sum(v.size_on_disk for k, v in by_name.items() if k.endswith(".safetensors"))
+            out.append((f"{PREFIX}{repo.repo_id}", "safetensors", size, rev.snapshot_path))
+    return out
