@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from lowbit.kernels import cpu_native
+from lowbit.kernels.ggml_mm import GgmlPacked
 from lowbit.kernels.int4_mm import Int4Packed
 from lowbit.kernels.int8_mm import Int8Packed
 
@@ -30,6 +31,10 @@ def _linear(w, bias: torch.Tensor | None, native) -> "cpu_native._Linear | None"
         return None  # in order, so such a layer runs through QuantLinear.forward (quant/linear.py)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
+    if isinstance(w, GgmlPacked) and w.native is native:  # GGML blocks as the file has them (kernels/cpu_ggml.c)
+        d = w.c_desc()
+        return cpu_native._Linear(d.kind, d.N, d.K, d.group, d.P, d.data, bias.data_ptr() if bias is not None else None,
+                                  d.split, d.P2, d.data2)
     if not isinstance(w, (Int4Packed, Int8Packed)) or w.native is not native:  # one set of kernels per block
         return None
     Np, Kp = w.padded_shape

@@ -14,7 +14,7 @@
  * prototype), and the sizeof and each field's offset and size of every struct it mirrors against
  * lowbit_abi_layout (cpu_wq_mm.c), so a change on one side only refuses the library instead of
  * corrupting memory. */
-#define LOWBIT_ABI_VERSION 1
+#define LOWBIT_ABI_VERSION 2
 
 int lowbit_abi_version(void);  /* LOWBIT_ABI_VERSION */
 /* The layout of the structs cpu_native.py mirrors, one entry per struct ("lowbit_block": offset 0,
@@ -38,15 +38,20 @@ enum { LOWBIT_ISA_AVX2 = 1, LOWBIT_ISA_VNNI256 = 2, LOWBIT_ISA_AVX512 = 3, LOWBI
  *   int8 (kind 2): scales d fp16 [16] (P = 2 bytes) or fp32 [16] (P = 4, per channel: one group of
  *                  K), codes per block 8 x 64 B, byte [j][r][i] = q[r][4j + i] + 128 (w = d q)
  * Units start on 64-byte lines: 64 bytes of scales (one group's, or two groups' when theirs take 32),
- * then those groups' codes. */
+ * then those groups' codes.
+ *   GGML blocks (kind 3, cpu_ggml.c): rows as GGUF stores them, each row K / QK blocks of its type (P, a
+ *                  GGML type number; kernels/ggml_blocks.py), any N; rows from `split` on are of type
+ *                  P2 at data2 (a fused QKV whose V rows have another type), else split = N. */
 typedef struct {
-    int64_t kind;   /* 1: int4, 2: int8 */
-    int64_t N;      /* output rows held, a multiple of 16 (padding rows are zero weights) */
+    int64_t kind;   /* 1: int4, 2: int8, 3: GGML blocks */
+    int64_t N;      /* output rows held; kinds 1, 2: a multiple of 16 (padding rows are zero weights) */
     int64_t K;      /* input features, a whole number of groups (x is padded to it) */
-    int64_t group;  /* k per group: 32, 64, 128 (int8 per channel: K) */
-    int64_t P;      /* int4: scales per row and group (1 or 2); int8: bytes per scale (2 or 4) */
+    int64_t group;  /* k per group: 32, 64, 128 (int8 per channel: K; kind 3: values per block) */
+    int64_t P;      /* int4: scales per row and group (1 or 2); int8: bytes per scale (2 or 4); kind 3: type */
     const uint8_t *data;
     const float *bias;  /* fp32 [N] or NULL */
+    int64_t split, P2;  /* kind 3: rows of type P, the type of the rest */
+    const uint8_t *data2;
 } lowbit_linear;
 
 /* Bytes of one group's 16 scales, of its codes, and log2 of the groups per unit (kernels/tile_layout.py:
@@ -150,6 +155,11 @@ int lowbit_linear_mm(const lowbit_ctx *c, const lowbit_linear *w, const float *x
 int lowbit_int4_dequant_t(const lowbit_linear *w, int64_t n0, int64_t n1, float *out, int nthreads);
 int lowbit_int8_dequant(const lowbit_linear *w, int64_t n0, int64_t n1, float *out, int nthreads);
 int lowbit_int8_rows(const lowbit_linear *w, const int64_t *ids, int64_t n, float *out);
+
+/* cpu_ggml.c: kind-3 weights (GGML blocks): the check, the matmul as a team function, exact fp32 rows. */
+int lowbit_ggml_check(const lowbit_linear *w);
+void lowbit_ggml_team(const lowbit_linear *w, const lowbit_qact *a, float *y);
+int lowbit_ggml_dequant(const lowbit_linear *w, int64_t n0, int64_t n1, float *out, int nthreads);
 
 /* cpu_wq_tiles.c, one set per instruction set: output tiles [t0, t1) of y [M, N] for rows m0..m0+mc. */
 #define LOWBIT_TILES(isa)                                                                                 \

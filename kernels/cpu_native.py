@@ -57,7 +57,7 @@ import torch
 
 from lowbit.kernels.kv_side import KVSide
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_wq_mm.c", "cpu_block.c", "cpu_attention.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_wq_mm.c", "cpu_ggml.c", "cpu_block.c", "cpu_attention.c")]
 TILES = Path(__file__).with_name("cpu_wq_tiles.c")  # compiled once per instruction set (ISAS)
 HEADER = Path(__file__).with_name("cpu_kernels.h")  # the structs and every export's prototype
 # x86-64-v3's vector sets for everything; the tile kernels add their own. No -march=native: a file
@@ -92,7 +92,8 @@ ISAS = (
 class _Linear(ctypes.Structure):
     """cpu_kernels.h's lowbit_linear: one weight in lowbit's packed CPU layout."""
     _fields_ = [("kind", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("group", ctypes.c_int64),
-                ("P", ctypes.c_int64), ("data", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("P", ctypes.c_int64), ("data", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("split", ctypes.c_int64), ("P2", ctypes.c_int64), ("data2", ctypes.c_void_p)]
 
 
 class _Ctx(ctypes.Structure):
@@ -116,7 +117,7 @@ class _KVSide(ctypes.Structure):
 
 # The structs that cross into C, by their names in cpu_kernels.h (`check_abi` compares each with C).
 ABI_STRUCTS = (("lowbit_linear", _Linear), ("lowbit_ctx", _Ctx), ("lowbit_block", _Block), ("lowbit_kv_side", _KVSide))
-ABI_VERSION = 1  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
+ABI_VERSION = 2  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
 
 
 class AbiMismatch(Exception):
@@ -150,6 +151,7 @@ class NativeKernels:
         lib.lowbit_int4_dequant_t.argtypes = [lin, i64, i64, ptr, ctypes.c_int]
         lib.lowbit_int8_dequant.argtypes = [lin, i64, i64, ptr, ctypes.c_int]
         lib.lowbit_int8_rows.argtypes = [lin, ptr, i64, ptr]
+        lib.lowbit_ggml_dequant.argtypes = [lin, i64, i64, ptr, ctypes.c_int]
         lib.lowbit_add_rms_norm.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, f32, i64, i64, ptr]
         lib.lowbit_rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
         lib.lowbit_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr]
@@ -206,6 +208,14 @@ class NativeKernels:
         out = torch.empty(max(0, stop - start), desc.K)
         if self.lib.lowbit_int8_dequant(ctypes.byref(desc), start, stop, out.data_ptr(), torch.get_num_threads()):
             raise ValueError(f"cpu int8 dequantize refused rows {start}:{stop} of N={desc.N}")
+        return out
+
+    def ggml_dequant(self, desc: _Linear, start: int, stop: int) -> torch.Tensor:
+        """A GGML-block weight (kind 3, cpu_ggml.c) → its rows start..stop-1, fp32 [n, K], bit for bit
+        kernels/ggml_blocks.py's."""
+        out = torch.empty(max(0, stop - start), desc.K)
+        if self.lib.lowbit_ggml_dequant(ctypes.byref(desc), start, stop, out.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"cpu ggml dequantize refused rows {start}:{stop} of N={desc.N} K={desc.K} type={desc.P}")
         return out
 
     def int8_rows(self, desc: _Linear, ids: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,8 @@ static const struct {
 } abi_layout[] = {
     ABI_STRUCT(lowbit_linear), ABI_FIELD(lowbit_linear, kind), ABI_FIELD(lowbit_linear, N),
     ABI_FIELD(lowbit_linear, K), ABI_FIELD(lowbit_linear, group), ABI_FIELD(lowbit_linear, P),
-    ABI_FIELD(lowbit_linear, data), ABI_FIELD(lowbit_linear, bias),
+    ABI_FIELD(lowbit_linear, data), ABI_FIELD(lowbit_linear, bias), ABI_FIELD(lowbit_linear, split),
+    ABI_FIELD(lowbit_linear, P2), ABI_FIELD(lowbit_linear, data2),
     ABI_STRUCT(lowbit_ctx), ABI_FIELD(lowbit_ctx, isa), ABI_FIELD(lowbit_ctx, nthreads),
     ABI_STRUCT(lowbit_block), ABI_FIELD(lowbit_block, dim), ABI_FIELD(lowbit_block, n_heads),
     ABI_FIELD(lowbit_block, n_kv_heads), ABI_FIELD(lowbit_block, head_dim), ABI_FIELD(lowbit_block, hidden),
@@ -167,6 +168,7 @@ void lowbit_quantize_rows_serial(const float *x, int64_t sx, lowbit_qact *a) {
 /* ---- the matmul ---- */
 
 int lowbit_linear_check(const lowbit_linear *w, int64_t isa) {
+    if (w->kind == 3) return lowbit_isa_available(isa) ? lowbit_ggml_check(w) : -1;  /* cpu_ggml.c */
     if (!lowbit_isa_available(isa) || !w->data || w->N % LOWBIT_TILE || w->group < LOWBIT_BLOCK ||
         w->group % LOWBIT_BLOCK || w->K % w->group)
         return -1;
@@ -193,6 +195,10 @@ static void tiles(int64_t isa, const lowbit_linear *w, const lowbit_qact *a, int
 /* y [M, N] = a @ W^T (+ bias), a already quantized. A team function: thread i of n takes tiles
  * [T i / n, T (i + 1) / n), all rows, then adds the bias to what it wrote. */
 void lowbit_linear_team(const lowbit_ctx *c, const lowbit_linear *w, const lowbit_qact *a, float *y) {
+    if (w->kind == 3) {  /* GGML blocks: split by rows (cpu_ggml.c), on AVX2 whatever c->isa says */
+        lowbit_ggml_team(w, a, y);
+        return;
+    }
     const int64_t T = w->N / LOWBIT_TILE, n = omp_get_num_threads(), i = omp_get_thread_num();
     const int64_t t0 = T * i / n, t1 = T * (i + 1) / n;
     if (t1 > t0) {

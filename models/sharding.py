@@ -27,7 +27,10 @@ import torch
 import torch.distributed as dist
 
 from lowbit.models.config import LlamaConfig
+from lowbit.kernels.ggml_blocks import BLOCKS
 from lowbit.quant import BnbWeight, FloatWeight, Int4Weight, Int8Weight
+from lowbit.quant.ggml_block import GgmlWeight
+from lowbit.quant.gptq import PermutedWeight
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,9 @@ def _group(w) -> int:
     if isinstance(w, BnbWeight):
         raise ValueError("--tp does not take bitsandbytes layouts (bnb-nf4, bnb-int8): they cannot be sliced "
                          "along their groups; use --weights auto, int4-* or int8-*")
+    if isinstance(w, PermutedWeight):
+        raise ValueError("--tp does not take act-order (desc_act) GPTQ weights: their groups are spread over "
+                         "the input columns and cannot be split by rank; run without --tp")
     if isinstance(w, FloatWeight):
         return 0
     return w.spec.group_size or 0  # int8 per channel: one scale per row, any column slice keeps it
@@ -155,5 +161,8 @@ def _cols(w, cols: slice):
         g = w.spec.group_size
         scales = w.scales if not g else w.scales[:, k0 // g:k1 // g]
         return Int8Weight(w.spec, k1 - k0, w.qweight[:, k0:k1].contiguous(), scales.contiguous())
+    if isinstance(w, GgmlWeight):  # whole blocks of the file's bytes (check_split: k0, k1 on block edges)
+        qk, nb = w.spec.group_size, BLOCKS[w.qtype][2]
+        return GgmlWeight(w.spec, k1 - k0, w.data[:, k0 // qk * nb:k1 // qk * nb].contiguous())
     _group(w)
-    raise TypeError(f"cannot slice {type(w).__name__}")
+    raise ValueError(f"--tp cannot split the input columns of a {type(w).__name__} weight")

@@ -1,15 +1,17 @@
 """GGML block formats → lowbit layouts.
 
-Q4_0, Q4_1 and Q8_0 are lowbit layouts already, up to the order of codes in a block, so they move
-in losslessly: same codes, same fp16 scales (checked bit-exactly against gguf.quants.dequantize).
+Every common GGUF type is held losslessly — the file's codes and scales, so lowbit's dequantization
+equals gguf.quants.dequantize bit for bit (tests/test_ggml_relayout.py, tests/test_ggml_kquants.py):
 
     Q4_0  block 32, 18 bytes: d fp16, qs[16]     w[j] = d * ((qs[j] & 15) - 8), w[j+16] = d * ((qs[j] >> 4) - 8)
     Q4_1  block 32, 20 bytes: d, m fp16, qs[16]  w[j] = d * (qs[j] & 15) + m,   w[j+16] = d * (qs[j] >> 4) + m
     Q8_0  block 32, 34 bytes: d fp16, qs[32] i8  w[j] = d * qs[j]
 
-K-quants and 5-bit types have no lossless lowbit home; they are dequantized with the `gguf`
-package's reference and requantized: 4-bit-ish types (Q4_K) into int4-g32, 5- and 6-bit types
-into int8-g32, so `auto` never throws away more than the file already did by dropping to 4 bits.
+are lowbit's int4/int8 layouts up to the order of codes in a block and move into them (relayout);
+Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS (two-level scales, 5-bit codes,
+codebooks: kernels/ggml_blocks.py) are kept as the file stores them (quant/ggml_block.py) and
+multiplied by kernels that read those blocks. The rarer types gguf can decode (IQ1-IQ3, TQ1_0/TQ2_0,
+MXFP4, NVFP4) are requantized to int4-g32 with a note naming them; anything else is refused.
 """
 
 from __future__ import annotations
@@ -22,16 +24,22 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from lowbit.quant import Weight, quantize_weight
+from lowbit.kernels.ggml_blocks import BLOCKS
 from lowbit.quant.dense import FloatWeight
+from lowbit.quant.ggml_block import block_spec, from_file
 from lowbit.quant.int4 import Int4Weight, pack_nibbles
 from lowbit.quant.int8 import Int8Weight
 from lowbit.quant.spec import WeightSpec, parse_weights
 
-LOSSLESS = MappingProxyType({T.Q4_0: parse_weights("int4-sym-g32"), T.Q4_1: parse_weights("int4-g32"),
+RELAYOUT = MappingProxyType({T.Q4_0: parse_weights("int4-sym-g32"), T.Q4_1: parse_weights("int4-g32"),
                              T.Q8_0: parse_weights("int8-g32")})
-REQUANTIZED = MappingProxyType({T.Q4_K: parse_weights("int4-g32"), T.Q5_0: parse_weights("int8-g32"),
-                                T.Q5_1: parse_weights("int8-g32"), T.Q5_K: parse_weights("int8-g32"),
-                                T.Q6_K: parse_weights("int8-g32")})
+# held as the file stores them (BLOCKS also has Q4_0/Q4_1/Q8_0, for fused rows: quant/ggml_block.py as_blocks)
+KEPT = MappingProxyType({T(q): block_spec(q) for q in BLOCKS if T(q) not in RELAYOUT})
+LOSSLESS = MappingProxyType({**RELAYOUT, **KEPT})
+# Rare low-bit types gguf.quants decodes (all under 4.5 bits per weight): int4-g32 keeps what they have.
+REQUANTIZED = MappingProxyType({getattr(T, n): parse_weights("int4-g32") for n in (
+    "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
+    if hasattr(T, n)})
 FLOATS = MappingProxyType({T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16})
 SUPPORTED = (*LOSSLESS, *REQUANTIZED, *FLOATS)
 
@@ -68,7 +76,7 @@ def to_float_tensor(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> torch.
 def relayout(raw: np.ndarray, qtype: T, N: int, K: int) -> Weight:
     """Q4_0 / Q4_1 / Q8_0 bytes of an [N, K] matrix → the lowbit layout with identical values.
     (numpy for the byte shuffling: a few ms for the largest matrix of the default model.)"""
-    spec = LOSSLESS[qtype]
+    spec = RELAYOUT[qtype]
     nb = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34}[qtype]
     b = np.ascontiguousarray(raw).view(np.uint8).reshape(N, K // 32, nb)  # [N, G, nb]
     # np.array(copy=True): every array kept must own its bytes, never alias the read-only file map
@@ -88,6 +96,8 @@ def load_matrix(raw: np.ndarray, qtype: T, N: int, K: int, target: WeightSpec | 
     if want is None:  # float tensor under auto: keep its own precision
         return FloatWeight(WeightSpec(bits=16 if qtype != T.F32 else 32, float_dtype=str(FLOATS[qtype]).split(".")[1]),
                            to_float_tensor(raw, qtype, (N, K)).to(FLOATS[qtype]))
-    if qtype in LOSSLESS and LOSSLESS[qtype] == want and K % 32 == 0:
+    if qtype in KEPT and KEPT[qtype] == want:
+        return from_file(raw, int(qtype), N, K)
+    if qtype in RELAYOUT and RELAYOUT[qtype] == want and K % 32 == 0:
         return relayout(raw, qtype, N, K)
     return quantize_weight(to_float_tensor(raw, qtype, (N, K)), want)

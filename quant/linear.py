@@ -20,10 +20,12 @@ import torch
 from torch import nn
 
 from lowbit.kernels.exact_mm import exact_linear, takes_exact
+from lowbit.kernels.ggml_mm import GgmlPacked, ggml_mm, ggml_pack
 from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack
 from lowbit.kernels.int8_mm import Int8Packed, int8_mm, int8_pack
 from lowbit.kernels.wq_mm import wq_mm, wq_pack_int4, wq_pack_int8, wq_rows
 from lowbit.quant import BnbWeight, FloatWeight, Int4Weight, Int8Weight, Weight
+from lowbit.quant.ggml_block import GgmlWeight, concat_rows, requantized
 from lowbit.quant.gptq import PermutedWeight
 
 
@@ -49,7 +51,13 @@ def _cpu_pack(weight: Weight, native):
                          native=native)
     if isinstance(weight, Int8Weight):
         return int8_pack(weight.qweight, weight.scales, weight.in_features, native=native)
+    if isinstance(weight, GgmlWeight):
+        return _ggml_pack(weight, native)
     return weight
+
+
+def _ggml_pack(weight: GgmlWeight, native) -> GgmlPacked:
+    return ggml_pack(weight.data, weight.qtype, weight.in_features, weight.data2, weight.qtype2, native=native)
 
 
 def _cpu_matmul(x: torch.Tensor, w, exact: bool | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -59,6 +67,8 @@ def _cpu_matmul(x: torch.Tensor, w, exact: bool | None, out_dtype: torch.dtype |
         y = _float_linear(x, w, exact)
     elif isinstance(w, Int8Packed):
         y = int8_mm(x, w, exact)
+    elif isinstance(w, GgmlPacked):
+        y = ggml_mm(x, w, exact)
     else:
         y = int4_mm(x, w, exact)
     return y.to(out_dtype or x.dtype)
@@ -75,15 +85,18 @@ def _float_linear(x: torch.Tensor, w: FloatWeight, exact: bool | None) -> torch.
 
 
 def _cpu_pack_embedding(weight: Weight, native):
-    # int8 tables are kept in the tile layout and serve both the lookup and the tied head; an int4 table
-    # stays in its plain layout for lookups (the head gets a packed copy).
+    # int8 tables are kept in the tile layout and serve both the lookup and the tied head, and so are
+    # GGML-block tables (the file's bytes); an int4 table stays in its plain layout for lookups (the head
+    # gets a packed copy).
     if isinstance(weight, Int8Weight):
         return int8_pack(weight.qweight, weight.scales, weight.in_features, native=native)
+    if isinstance(weight, GgmlWeight):
+        return _ggml_pack(weight, native)
     return weight
 
 
 def _cpu_rows(w, ids: torch.Tensor) -> torch.Tensor:
-    if isinstance(w, Int8Packed):
+    if isinstance(w, (Int8Packed, GgmlPacked)):
         return w.rows(ids)
     if isinstance(w, FloatWeight):
         return w.weight[ids].float()
@@ -94,7 +107,7 @@ def cpu_kernels(native) -> LinearKernels:
     """The CPU backend's: lowbit's layouts multiplied by `native` (kernels/cpu_native.py's C kernels),
     or, when it is None, by the exact path alone."""
     return LinearKernels(lambda w: _cpu_pack(w, native), _cpu_matmul, lambda w: _cpu_pack_embedding(w, native),
-                         _cpu_rows, lambda w: isinstance(w, (Int8Packed, Int4Packed, FloatWeight)))
+                         _cpu_rows, lambda w: isinstance(w, (Int8Packed, Int4Packed, GgmlPacked, FloatWeight)))
 
 
 def triton_kernels(device: torch.device) -> LinearKernels:
@@ -103,6 +116,8 @@ def triton_kernels(device: torch.device) -> LinearKernels:
     def pack(weight: Weight):
         if isinstance(weight, BnbWeight):
             raise ValueError(f"{weight.spec.name} runs on CPU only (bitsandbytes' own matmul); use --device cpu")
+        if isinstance(weight, GgmlWeight):  # no Triton kernel reads GGML blocks: the nearest lowbit layout
+            weight = requantized(weight)
         if isinstance(weight, Int4Weight):
             w = wq_pack_int4(weight.codes(), weight.scales, weight.mins, weight.spec.group_size, weight.in_features)
         elif isinstance(weight, Int8Weight):
@@ -140,6 +155,8 @@ def fuse_rows(weights: list[Weight]) -> Weight | None:
             return None
         inner = fuse_rows([w.weight for w in weights])
         return None if inner is None else PermutedWeight(inner, first.in_perm)
+    if any(isinstance(w, GgmlWeight) for w in weights):  # GGML blocks: up to two runs of one type each
+        return concat_rows(weights)
     if any(type(w) is not type(first) or w.spec != first.spec or w.in_features != first.in_features for w in weights):
         return None
     if isinstance(first, Int4Weight):

@@ -9,6 +9,8 @@ A spec is explicit data, never guessed from a file name. Names:
     bnb-nf4 / bnb-int8                  bitsandbytes' NF4 and LLM.int8(), run by bitsandbytes on CPU
                                         (the comparison rows of `lowbit eval`, see quant/bnb.py)
     bf16 / f16 / f32                    unquantized (reference runs)
+    Q4_K, Q6_K, Q5_0, IQ4_XS, …          GGML block types, held as the GGUF stores them (quant/ggml_block.py);
+                                        only `auto` gives them, to the tensors a file has in them
     auto                                GGUF: keep every tensor in the layout that holds it losslessly,
                                         requantize the rest (see quant/ggml.py); safetensors: int4-g32
 """
@@ -31,7 +33,9 @@ class WeightSpec:
     group_size: int = 0  # quantized values sharing one scale along K; 0 = whole row (per channel)
     symmetric: bool = True
     float_dtype: str = ""  # torch dtype name for unquantized layouts
-    codec: str = ""  # "" = lowbit's own integer codes; "nf4" / "llm.int8" = bitsandbytes' (quant/bnb.py)
+    # "" = lowbit's own integer codes; "nf4" / "llm.int8" = bitsandbytes' (quant/bnb.py); a GGML block
+    # type's name ("Q4_K", …) = that format as GGUF stores it (quant/ggml_block.py)
+    codec: str = ""
 
     @property
     def quantized(self) -> bool:
@@ -40,7 +44,7 @@ class WeightSpec:
     @property
     def name(self) -> str:
         if self.codec:
-            return {"nf4": "bnb-nf4", "llm.int8": "bnb-int8"}[self.codec]
+            return {"nf4": "bnb-nf4", "llm.int8": "bnb-int8"}.get(self.codec, self.codec)
         if not self.quantized:
             return {v: k for k, v in FLOAT_NAMES.items()}[self.float_dtype]
         if self.bits == 8:

@@ -214,12 +214,13 @@ def bad_files(tmp_path_factory, default_gguf, tiny_gguf) -> dict[str, tuple[Path
     cases["text-file"] = (txt, ("not a GGUF file",))
     for arch in ("gpt2", "bert"):
         cases[f"arch-{arch}"] = (write_tiny_gguf(d / f"arch_{arch}.gguf", arch=arch), ("architecture", arch))
-    t = tiny_tensors(hidden=256)  # Q2_K blocks hold 256 values: ffn_down rows (K = hidden) must fit
-    t["blk.1.ffn_down.weight"] = raw_zeros(DIM, 256, T.Q2_K)
-    cases["type-Q2_K"] = (write_tiny_gguf(d / "q2k.gguf", tensors=t, hidden=256), ("blk.1.ffn_down.weight", "Q2_K"))
-    t = tiny_tensors()
-    t["blk.0.attn_q.weight"] = raw_zeros(DIM, DIM, T.IQ4_NL)
-    cases["type-IQ4_NL"] = (write_tiny_gguf(d / "iq4nl.gguf", tensors=t), ("blk.0.attn_q.weight", "IQ4_NL"))
+    # types no GGUF model ships its weights in (Q8_1 is llama.cpp's activation format; I32 an integer
+    # tensor; Q1_0 one gguf cannot decode): refused in one line naming tensor and type
+    for qt, name, n_rows in ((T.Q8_1, "blk.0.attn_q.weight", DIM), (T.I32, "blk.1.ffn_up.weight", HIDDEN),
+                             (T.Q1_0, "blk.0.attn_k.weight", N_KV_HEADS * DIM // N_HEADS)):
+        t = tiny_tensors()
+        t[name] = raw_zeros(n_rows, DIM, qt)
+        cases[f"type-{qt.name}"] = (write_tiny_gguf(d / f"{qt.name.lower()}.gguf", tensors=t), (name, qt.name))
     t = tiny_tensors()
     del t["blk.1.attn_v.weight"]
     cases["missing-tensor"] = (write_tiny_gguf(d / "no_v.gguf", tensors=t), ("missing tensor", "blk.1.attn_v.weight"))
@@ -231,7 +232,7 @@ def bad_files(tmp_path_factory, default_gguf, tiny_gguf) -> dict[str, tuple[Path
 
 
 BAD_CASES = ["truncated-in-kv", "truncated-in-tensor-info", "truncated-in-tensor-data",
-             "random-bytes", "text-file", "arch-gpt2", "arch-bert", "type-Q2_K", "type-IQ4_NL", "missing-tensor",
+             "random-bytes", "text-file", "arch-gpt2", "arch-bert", "type-Q8_1", "type-I32", "type-Q1_0", "missing-tensor",
              "nonexistent", "dir-without-config"]
 BAD_FLAGS = {
     "temperature-negative": (["--temperature", "-1"], ("temperature",)),
@@ -374,6 +375,16 @@ def test_info_counts_the_files_tensor_types(tiny_info, tiny_gguf):
     held = int(re.search(r"bytes held by weight tensors: ([\d,]+)", tiny_info.stdout).group(1).replace(",", ""))
     total = sum(b for _, b in counts.values())
     assert f"held / file tensor bytes: {held:,} / {total:,} = {held / total:.3f}x" in tiny_info.stdout
+
+
+def test_a_rare_type_is_requantized_with_a_one_line_note(tmp_path, work, empty_models):
+    """IQ2_XXS (no lossless lowbit layout, gguf decodes it) loads into int4-g32 and says so in one line."""
+    t = tiny_tensors(hidden=256)  # 256-value super-blocks: ffn_down rows (K = hidden) must fit
+    t["blk.1.ffn_down.weight"] = raw_zeros(DIM, 256, T.IQ2_XXS)
+    r = lowbit(["info", str(write_tiny_gguf(tmp_path / "iq2.gguf", tensors=t, hidden=256))], empty_models, work)
+    assert r.returncode == 0, r.stderr
+    notes = [x for x in r.stderr.splitlines() if "IQ2_XXS" in x]
+    assert notes == ["lowbit: note: 1 tensor of type IQ2_XXS has no lossless lowbit layout: requantized to int4-g32"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

@@ -4,8 +4,9 @@ Lossless: Q4_0 / Q4_1 / Q8_0 move in code for code and scale for scale, so lowbi
 dequantization must equal gguf's EXACTLY (torch.equal on fp32) — on every matrix of the default
 model, on tiny files written here (odd shapes, zeros, constants, huge/tiny/negative-only values),
 and through the whole GGUF loader, whose Q/K rows are un-permuted from llama.cpp's rotary order.
-F16/BF16/F32 stay float under `auto`, also exactly. Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 have no lossless
-home: they are requantized (int4-g32 / int8-g32) within the rounding bound of that layout.
+F16/BF16/F32 stay float under `auto`, also exactly. Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 are kept as blocks
+under `auto` (tests/test_ggml_kquants.py); asked for a lowbit layout (`--weights int4-g32`), they are
+requantized into it within the rounding bound of that layout.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lowbit.runtime.load.gguf_file import GGUFFile
 from lowbit.runtime.load.gguf import load_gguf
 
 LOSSLESS = {T.Q4_0: "int4-sym-g32", T.Q4_1: "int4-g32", T.Q8_0: "int8-g32"}
+# the layout each is asked to move into (`--weights`), a requantization
 REQUANTIZED = {T.Q4_K: "int4-g32", T.Q5_K: "int8-g32", T.Q6_K: "int8-g32", T.Q5_0: "int8-g32", T.Q5_1: "int8-g32"}
 
 
@@ -296,7 +298,7 @@ def test_requantized_within_bound(tiny_requantized, qt):
         N, K = matrix_of(t)
         ref = reference(t.data, qt, N, K)
         assert torch.isfinite(ref).all() and ref.abs().max() > 0
-        w = load_matrix(t.data, qt, N, K, None)
+        w = load_matrix(t.data, qt, N, K, spec)
         assert w.spec == spec, f"{t.name}: layout {w.spec.name}, expected {spec.name}"
         got = w.dequantize()
         # Deterministic: exactly lowbit's own quantization of gguf's dequantized values.
@@ -321,4 +323,4 @@ def test_requantize_error_is_real(tiny_requantized):
     t = next(t for t in tiny_requantized.tensors if t.tensor_type == T.Q4_K and t.shape[1] == 5)
     N, K = matrix_of(t)
     ref = reference(t.data, t.tensor_type, N, K)
-    assert not torch.equal(load_matrix(t.data, t.tensor_type, N, K, None).dequantize(), ref)
+    assert not torch.equal(load_matrix(t.data, t.tensor_type, N, K, parse_weights("int4-g32")).dequantize(), ref)

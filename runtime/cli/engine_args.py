@@ -11,8 +11,8 @@ from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load.registry import DEFAULT_MODEL
 
 DEFAULTS = EngineConfig()
-WEIGHTS_HELP = ("weight layout: auto (GGUF: keep Q4_0/Q4_1/Q8_0 losslessly, requantize K-quants; "
-                "safetensors: int4-g32), int4-g32, int4-g64, int4-g128, int4-sym-g32/64/128, int8, "
+WEIGHTS_HELP = ("weight layout: auto (GGUF: every common type held losslessly at the file's size — Q4_0, Q4_1, "
+                "Q8_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS; safetensors: int4-g32, GPTQ/AWQ as stored), int4-g32, int4-g64, int4-g128, int4-sym-g32/64/128, int8, "
                 "int8-g32/64/128, bf16, f16, f32, and on CPU bitsandbytes' bnb-nf4, bnb-int8")
 SPECULATIVE_HELP = ("speculative decoding: 'ngram,k=4' (prompt lookup: drafts copied from the request's own "
                     "context, n=3 longest suffix), 'draft=MODEL,k=4' (a small model with the same vocabulary) or "
@@ -22,7 +22,8 @@ SPECULATIVE_HELP = ("speculative decoding: 'ngram,k=4' (prompt lookup: drafts co
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"alias, path to a .gguf, or a Hugging Face model directory (default: {DEFAULT_MODEL})")
+                   help=f"alias, path to a .gguf, a Hugging Face model directory, or hf:ORG/REPO[:QUANT] "
+                        f"(downloaded into the hub cache on first use; default quant Q4_K_M) (default: {DEFAULT_MODEL})")
     p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--device", default="auto",

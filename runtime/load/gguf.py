@@ -13,7 +13,7 @@ import torch
 
 from lowbit.models.config import LlamaConfig
 from lowbit.quant import WeightSpec
-from lowbit.quant.ggml import SUPPORTED, load_matrix, to_float_tensor
+from lowbit.quant.ggml import REQUANTIZED, SUPPORTED, load_matrix, to_float_tensor
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load.gguf_file import GGUFFile
 
@@ -37,8 +37,10 @@ def _gguf_to_hf_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).view(n_head, hd // 2, 2).transpose(1, 2).reshape(-1)  # [h, 2, hd/2] order
 
 
-def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Callable[[int], None] | None = None):
-    """→ (LlamaConfig, weights dict, metadata). target None = `auto` (lossless where possible).
+def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Callable[[int], None] | None = None,
+              note: Callable[[str], None] | None = None):
+    """→ (LlamaConfig, weights dict, metadata). target None = `auto` (lossless where possible); `note`
+    is told, in one line per type, of tensors `auto` cannot hold losslessly.
 
     Names in the dict: embed, output (absent when tied), norm, rope_freqs (llama3 files), and per
     layer `layers.{i}.{attn_norm,ffn_norm,wq,wk,wv,wo,w_gate,w_up,w_down,bq,bk,bv}`.
@@ -47,6 +49,12 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
     path, meta = f.path, f.metadata
     _check_tensors(f)
     tensors = {t.name: t for t in f.tensors}
+    if target is None and note is not None:
+        for qtype in sorted({t.tensor_type for t in f.tensors if t.tensor_type in REQUANTIZED}):
+            count = sum(t.tensor_type == qtype for t in f.tensors)
+            one = count == 1
+            note(f"{count} tensor{'' if one else 's'} of type {qtype.name} {'has' if one else 'have'} no lossless "
+                 f"lowbit layout: requantized to {REQUANTIZED[qtype].name}")
     if "token_embd.weight" not in tensors:
         raise LowbitError(f"{path}: missing tensor token_embd.weight")
     embd = tensors["token_embd.weight"]

@@ -92,7 +92,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         arch = meta.get("general.architecture")
         update, close = _progress_bar(int(meta.get(f"{arch}.block_count", 0) or 0), f"loading {path.name}", progress)
         try:
-            config, w, _ = load_gguf(gguf, spec, update)
+            config, w, _ = load_gguf(gguf, spec, update, note=lambda s: print(f"lowbit: note: {s}", file=sys.stderr))
         except ValueError as e:
             raise LowbitError(f"{path}: {e}") from None
         finally:
