@@ -1,6 +1,7 @@
 /* GGML's block formats multiplied as GGUF stores them (kind 3 of cpu_kernels.h's lowbit_linear): Q5_0,
- * Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS. kernels/ggml_blocks.py is the spec of each
- * block's values; kernels/ggml_mm.py holds and calls these.
+ * Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, and Q4_0, Q4_1, Q8_0 where they share a fused
+ * weight with one of those. kernels/ggml_blocks.py is the spec of each block's values;
+ * kernels/ggml_mm.py holds and calls these.
  *
  * Every type decodes a block to integer codes c and, per sub-block of 16, w = a c + b with a and b
  * the products of an fp16 super-scale and a small integer (exact in fp32), so one dot product serves
@@ -10,13 +11,17 @@
  *   with q the 16-bit activation codes and s the activation block's scale (lowbit_quantize_rows,
  *   kernels/act_quant.py). T_j is exact (vpmaddwd pairs: |c q| < 2^15 2^7); the fp32 epilogue runs in
  *   a fixed order per (m, n), so a row's result does not depend on M. One build (AVX2) for every
- *   machine: a 16-lane AVX-512 copy would sum in another order and give other bits.
+ *   machine, so every instruction set gives the same bits; a copy decoding two 32-value blocks per
+ *   512-bit op (the same sums) measured no faster on Zen 4, whose 512-bit ops are two 256-bit halves.
  *
  *   exact path: lowbit_ggml_dequant writes fp32 rows a c + b (a c where b is 0) — the one rounding
  *   gguf.quants.dequantize does too — for kernels/exact_mm.py's GEMM.
  *
  * Work is split by output rows over the threads of the parallel region; a thread decodes one block of
- * one row at a time (into 512 bytes of codes on its stack) and multiplies it by every activation row.
+ * one row at a time (into 256 bytes of codes on its stack) and multiplies it by every activation row
+ * (a decode step's single row of 32-value blocks keeps the codes in registers: 77 against 150 us for
+ * a 1536x576 Q5_0 matrix, one thread). This costs ~28 instructions per 32 weights, ~3x the 16-row
+ * tiles of the int4/int8 kernels (cpu_wq_tiles.c): the speed of these types is bounded by that.
  * A weight may hold two row segments of different types (the first `split` rows in type P at data,
  * the rest in type P2 at data2): llama.cpp's mixes give V rows another type than Q and K (Q4_K_M:
  * Q6_K in some layers), and Q, K, V are still one call. */
@@ -277,6 +282,19 @@ static inline __attribute__((always_inline)) void block_dot(const int sub16, con
     }
 }
 
+/* One 32-value block of type T times activation block q (codes x): v += s a T, *vb += b sS — block_dot's
+ * arithmetic for one block, its codes kept in a register. */
+static inline __attribute__((always_inline)) void block32_dot(const int64_t T, const uint8_t *p, const int16_t *x,
+                                                              lowbit_qblock q, __m256 *v, float *vb) {
+    float sa, sb = 0.0f;
+    const __m256i u = decode32(T, p, &sa, &sb);
+    const __m256i t = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(u)), _mm256_loadu_si256((const __m256i *)x)),
+        _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(u, 1)), _mm256_loadu_si256((const __m256i *)(x + 16))));
+    *v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(q.s * sa), *v);
+    if (T == Q4_1 || T == Q5_1) *vb += sb * q.sS;
+}
+
 /* Rows [n0, n1) of y [M, N] (all M activation rows) for rows of type T (a constant where inlined, so
  * each type's decode and dot are compiled on their own); acc [8 M] and accb [M] are scratch. */
 static inline __attribute__((always_inline)) void rows_of_type(const int64_t T, const lowbit_linear *w,
@@ -287,33 +305,15 @@ static inline __attribute__((always_inline)) void rows_of_type(const int64_t T, 
     float sa[16], sb[16];
     const int64_t M = a->M, K = w->K, qk = block_values(T), nbytes = block_bytes(T);
     const int sub16 = T == Q2_K || T == Q3_K || T == Q6_K, mins = has_min(T), per16 = T == Q2_K;
-    if (M == 1 && qk == 32) {  /* a decode step over 32-value blocks: two rows at a time, codes in registers */
-        const int mn = T == Q4_1 || T == Q5_1;
-        int64_t n = n0;
-        const uint8_t *row1 = row + (K / 32) * nbytes;
-        for (; n + 1 < n1; n += 2, row += 2 * (K / 32) * nbytes, row1 += 2 * (K / 32) * nbytes) {
-            __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
-            float vb0 = 0.0f, vb1 = 0.0f;
-            for (int64_t j = 0; j < K / 32; j++) {
-                float a0, b0 = 0.0f, a1, b1 = 0.0f;
-                const __m256i u0 = decode32(T, row + j * nbytes, &a0, &b0), u1 = decode32(T, row1 + j * nbytes, &a1, &b1);
-                const lowbit_qblock q = a->blk[j];
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->q + 32 * j));
-                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->q + 32 * j + 16));
-                const __m256i t0 = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(u0)), x0),
-                    _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(u0, 1)), x1));
-                const __m256i t1 = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(u1)), x0),
-                    _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(u1, 1)), x1));
-                v0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t0), _mm256_set1_ps(q.s * a0), v0);
-                v1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1), _mm256_set1_ps(q.s * a1), v1);
-                if (mn) vb0 += b0 * q.sS, vb1 += b1 * q.sS;
-            }
-            y[n] = hsum8(v0) + vb0, y[n + 1] = hsum8(v1) + vb1;
+    if (M == 1 && qk == 32) {  /* a decode step over 32-value blocks: codes in registers, the same arithmetic */
+        const int64_t nb = K / 32;
+        for (int64_t n = n0; n < n1; n++, row += nb * nbytes) {
+            __m256 v = _mm256_setzero_ps();
+            float vb = 0.0f;
+            for (int64_t j = 0; j < nb; j++) block32_dot(T, row + j * nbytes, a->q + 32 * j, a->blk[j], &v, &vb);
+            y[n] = hsum8(v) + vb;
         }
-        if (n == n1) return;
-        n0 = n;  /* an odd last row: below */
+        return;
     }
     if (M == 1) {  /* one activation row (a decode step): the sums stay in registers, the same arithmetic */
         for (int64_t n = n0; n < n1; n++) {

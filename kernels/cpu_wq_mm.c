@@ -195,7 +195,7 @@ static void tiles(int64_t isa, const lowbit_linear *w, const lowbit_qact *a, int
 /* y [M, N] = a @ W^T (+ bias), a already quantized. A team function: thread i of n takes tiles
  * [T i / n, T (i + 1) / n), all rows, then adds the bias to what it wrote. */
 void lowbit_linear_team(const lowbit_ctx *c, const lowbit_linear *w, const lowbit_qact *a, float *y) {
-    if (w->kind == 3) {  /* GGML blocks: split by rows (cpu_ggml.c), on AVX2 whatever c->isa says */
+    if (w->kind == 3) {  /* GGML blocks: split by rows (cpu_ggml.c), AVX2 whatever c->isa says */
         lowbit_ggml_team(w, a, y);
         return;
     }
