@@ -509,6 +509,13 @@ def test_hf_directory_runs_end_to_end(tiny_gguf, work, empty_models, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == tok.decode(new).rstrip("\n")
     assert STATS.search(r.stderr.strip().splitlines()[-1])
+    # `lowbit info` lists the checkpoint's dtypes (F32 here: save_pretrained keeps the model's dtype)
+    r = lowbit(["info", str(d), "--weights", "f32"], empty_models, work)
+    assert r.returncode == 0, r.stderr
+    n = len(list(model.state_dict()))
+    total = sum(v.numel() * 4 for v in model.state_dict().values())
+    assert f"file tensors: F32 {n} ({total:,} bytes)" in r.stdout, r.stdout
+    assert "held / file tensor bytes: " in r.stdout
 
 
 @pytest.mark.parametrize("name, shape", [("blk.1.attn_q.weight", (DIM // 2, DIM)),

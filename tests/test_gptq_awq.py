@@ -363,6 +363,21 @@ def test_symmetric_gptq_is_held_at_the_files_size(built, group):
     assert held <= 1.05 * file_bytes and tiles <= 1.05 * file_bytes, (held / file_bytes, tiles / file_bytes)
 
 
+def test_info_counts_the_checkpoints_dtypes(built):
+    """What `lowbit info` lists for a safetensors checkpoint (runtime/cli/models.py prints it as it does a
+    GGUF's types): each dtype's tensors and bytes, as safetensors' own loader counts them."""
+    from lowbit.runtime.load.safetensors import safetensors_tensor_types
+
+    path, _, _ = built("gptq-sym", 32)
+    counts: dict[str, tuple[int, int]] = {}
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32"}
+    for v in load_file(path / "model.safetensors").values():
+        n, b = counts.get(names[v.dtype], (0, 0))
+        counts[names[v.dtype]] = (n + 1, b + v.numel() * v.element_size())
+    got = safetensors_tensor_types(path)
+    assert got == counts and list(got.values()) == sorted(got.values(), key=lambda nb: -nb[1])
+
+
 # ---- act-order at run time ----------------------------------------------------------------------------
 
 def _permuted(seed: int, int8: bool) -> tuple[PermutedWeight, torch.Tensor]:

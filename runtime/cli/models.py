@@ -69,10 +69,11 @@ def cmd_info(args) -> int:
           f"device: {lm.model.device} ({lm.model.backend.name} kernels)\n"
           f"bytes held by weight tensors: {lm.weight_bytes:,}\nload time: {lm.load_seconds:.2f} s")
     if lm.source == "gguf":
-        from lowbit.runtime.load.gguf import gguf_tensor_types
-
-        types = gguf_tensor_types(lm.path)
-        file_bytes = sum(b for _, b in types.values())
-        print("file tensors: " + ", ".join(f"{k} {n} ({b:,} bytes)" for k, (n, b) in types.items()))
-        print(f"held / file tensor bytes: {lm.weight_bytes:,} / {file_bytes:,} = {lm.weight_bytes / file_bytes:.3f}x")
+        from lowbit.runtime.load.gguf import gguf_tensor_types as tensor_types
+    else:
+        from lowbit.runtime.load.safetensors import safetensors_tensor_types as tensor_types
+    types = tensor_types(lm.path)
+    file_bytes = sum(b for _, b in types.values())
+    print("file tensors: " + ", ".join(f"{k} {n} ({b:,} bytes)" for k, (n, b) in types.items()))
+    print(f"held / file tensor bytes: {lm.weight_bytes:,} / {file_bytes:,} = {lm.weight_bytes / file_bytes:.3f}x")
     return 0

@@ -47,6 +47,8 @@ LAYER_BIASES = MappingProxyType({"bq": "self_attn.q_proj.bias", "bk": "self_attn
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = MappingProxyType({"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
                            "F32": torch.float32})  # safetensors' names of the dtypes packed tensors come in
+DTYPE_BYTES = MappingProxyType({"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1})  # bytes per element, `lowbit info`
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -81,6 +83,25 @@ def shard_files(path: Path) -> list[Path]:
     if not files:
         raise LowbitError(f"{path}: no *.safetensors files (lowbit reads safetensors checkpoints, not .bin/.pt)")
     return files
+
+
+def safetensors_tensor_types(path: Path) -> dict[str, tuple[int, int]]:
+    """Each dtype in the checkpoint's shards (safetensors' names: BF16, I32, …) → (tensor count, bytes of
+    tensor data), largest first, read from the headers only."""
+    out: dict[str, list[int]] = {}
+    for f in shard_files(Path(path)):
+        with safe_open(f, framework="pt") as h:
+            for name in h.keys():
+                sl = h.get_slice(name)
+                dtype = str(sl.get_dtype())
+                n = 1
+                for d in sl.get_shape():
+                    n *= int(d)
+                entry = out.setdefault(dtype, [0, 0])
+                entry[0] += 1
+                entry[1] += n * DTYPE_BYTES.get(dtype, 0)
+    return {k: (n, b) for k, (n, b) in sorted(out.items(), key=lambda kv: -kv[1][1])}
+
 
 
 def _open_all(path: Path, files: list[Path], stack: ExitStack) -> dict[str, Any]:
@@ -263,4 +284,4 @@ def _relay(module: str, shape: tuple[int, int], where: dict, target: WeightSpec,
         raise LowbitError(f"{where[f'{module}.qweight'][0]}: {module}: {e}") from None
 
 
-__all__ = ["load_hf_dir", "read_config", "shard_files"]
+__all__ = ["load_hf_dir", "read_config", "safetensors_tensor_types", "shard_files"]
