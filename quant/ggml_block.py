@@ -14,14 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import warnings
-
 import numpy as np
 import torch
 
 from lowbit.kernels.ggml_blocks import BLOCKS, ggml_dequant_ref, row_bytes
-from lowbit.quant.spec import WeightSpec, parse_weights
-from lowbit.quant.weight import quantize_weight
+from lowbit.quant.spec import WeightSpec
 
 # nominal bits of each type's codes (WeightSpec.bits), for the layout's name and the memory report
 CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 4, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 4}
@@ -126,18 +123,3 @@ def concat_rows(weights: list) -> GgmlWeight | None:
     return GgmlWeight(runs[0][0].spec, weights[0].in_features, data[0], *(
         (data[1], runs[1][0].spec) if len(runs) == 2 else ()))
 
-
-def nearest_layout(spec: WeightSpec) -> WeightSpec:
-    """The lowbit layout closest to a block type without dropping bits: 2- to 4-bit codes → int4-g32,
-    5 and 6 → int8-g32."""
-    return parse_weights("int4-g32" if spec.bits <= 4 else "int8-g32")
-
-
-def requantized(w: GgmlWeight):
-    """w in its nearest lowbit layout, for a backend without GGML-block kernels (CUDA), with a one-line
-    note naming the type (once per type and call site)."""
-    specs = [w.spec] + ([w.spec2] if w.spec2 is not None else [])
-    target = nearest_layout(max(specs, key=lambda s: s.bits))
-    warnings.warn(f"{'/'.join(s.name for s in specs)} weights have no kernel on this device: requantized to "
-                  f"{target.name} (not lossless; the CPU holds them as the file does)", RuntimeWarning, stacklevel=2)
-    return quantize_weight(w.dequantize(), target)

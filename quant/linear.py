@@ -21,11 +21,12 @@ from torch import nn
 
 from lowbit.kernels.exact_mm import exact_linear, takes_exact
 from lowbit.kernels.ggml_mm import GgmlPacked, ggml_mm, ggml_pack
+from lowbit.kernels.ggml_triton import GgmlTritonPacked, ggml_triton_mm, ggml_triton_pack, ggml_triton_rows
 from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack
 from lowbit.kernels.int8_mm import Int8Packed, int8_mm, int8_pack
 from lowbit.kernels.wq_mm import wq_mm, wq_pack_int4, wq_pack_int8, wq_rows
 from lowbit.quant import BnbWeight, FloatWeight, Int4Weight, Int8Weight, Weight
-from lowbit.quant.ggml_block import GgmlWeight, concat_rows, requantized
+from lowbit.quant.ggml_block import GgmlWeight, concat_rows
 from lowbit.quant.gptq import PermutedWeight
 
 
@@ -116,8 +117,9 @@ def triton_kernels(device: torch.device) -> LinearKernels:
     def pack(weight: Weight):
         if isinstance(weight, BnbWeight):
             raise ValueError(f"{weight.spec.name} runs on CPU only (bitsandbytes' own matmul); use --device cpu")
-        if isinstance(weight, GgmlWeight):  # no Triton kernel reads GGML blocks: the nearest lowbit layout
-            weight = requantized(weight)
+        if isinstance(weight, GgmlWeight):  # the file's blocks, decoded in the kernel (kernels/ggml_triton.py)
+            return ggml_triton_pack(weight.data, weight.qtype, weight.in_features, weight.data2,
+                                    weight.qtype2 if weight.data2 is not None else 0).to(device)
         if isinstance(weight, Int4Weight):
             w = wq_pack_int4(weight.codes(), weight.scales, weight.mins, weight.spec.group_size, weight.in_features)
         elif isinstance(weight, Int8Weight):
@@ -130,9 +132,13 @@ def triton_kernels(device: torch.device) -> LinearKernels:
         xin = x.float() if exact else x  # exact: the kernel's IEEE fp32 path
         if isinstance(w, FloatWeight):
             return _float_linear(xin, w, exact).to(out_dtype or xin.dtype)
+        if isinstance(w, GgmlTritonPacked):
+            return ggml_triton_mm(xin, w, out_dtype=out_dtype)
         return wq_mm(xin, w, out_dtype=out_dtype)
 
     def rows(w, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(w, GgmlTritonPacked):
+            return ggml_triton_rows(w, ids)
         return w.weight[ids].float() if isinstance(w, FloatWeight) else wq_rows(w, ids)
 
     return LinearKernels(pack, matmul, pack, rows, lambda w: True)
