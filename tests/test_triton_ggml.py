@@ -18,8 +18,17 @@ from lowbit.kernels.ggml_triton import ggml_triton_mm, ggml_triton_pack, ggml_tr
 from lowbit.kernels.triton_import import interpreting
 
 pytest.importorskip("triton")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not interpreting(), reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+@pytest.fixture(params=[pytest.param("cpu", id="interp"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """Where the kernel runs: on the CPU under the interpreter, or compiled on CUDA (`gpu`, skipped
+    without it; tests/bench/gpu_check.sh runs those)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if request.param == "cpu" and not interpreting():
+        pytest.skip("the kernel on CPU needs TRITON_INTERPRET=1")
+    return request.param
 
 # where each type's fp16 super-scales sit in its block (made finite below)
 SCALES = {"Q2_K": [80, 82], "Q3_K": [108], "Q6_K": [208], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2],
@@ -36,7 +45,7 @@ def random_blocks(qtype: int, N: int, K: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", list(BLOCKS), ids=lambda q: BLOCKS[q][0])
-def test_matches_the_spec(qtype):
+def test_matches_the_spec(qtype, device):
     name, qk, _ = BLOCKS[qtype]
     N, K = 40, 2 * qk if qk == 256 else 96  # N: a partial 32-row tile; K: two super-blocks or three blocks
     data = random_blocks(qtype, N, K, seed=qtype)
@@ -44,40 +53,40 @@ def test_matches_the_spec(qtype):
     # the spec is gguf's arithmetic on these bytes too
     expect = quants.dequantize(data.numpy().reshape(-1), T(qtype)).astype(np.float32).reshape(N, K)
     assert torch.equal(ref, torch.from_numpy(expect))
-    w = ggml_triton_pack(data, qtype, K).to(DEVICE)
+    w = ggml_triton_pack(data, qtype, K).to(device)
     torch.manual_seed(qtype)
-    x = torch.randn(3, K, device=DEVICE)
-    exact = (x.double() @ ref.to(DEVICE).double().t())
+    x = torch.randn(3, K, device=device)
+    exact = (x.double() @ ref.to(device).double().t())
     y32 = ggml_triton_mm(x, w)  # fp32 x: an IEEE fp32 dot over exact codes
     scale = exact.abs().max()
     assert (y32.double() - exact).abs().max() <= 1e-5 * scale, name
     y16 = ggml_triton_mm(x.half(), w, out_dtype=torch.float32)  # fp16 x: exact codes, x rounded to fp16
-    ref16 = x.half().double() @ ref.to(DEVICE).double().t()
+    ref16 = x.half().double() @ ref.to(device).double().t()
     assert (y16.double() - ref16).abs().max() <= 1e-5 * scale, name
-    ids = torch.tensor([0, 7, 39, 7], device=DEVICE)
-    assert torch.equal(ggml_triton_rows(w, ids), ref.to(DEVICE)[ids])
+    ids = torch.tensor([0, 7, 39, 7], device=device)
+    assert torch.equal(ggml_triton_rows(w, ids), ref.to(device)[ids])
 
 
-def test_one_row_and_a_partial_tile():
+def test_one_row_and_a_partial_tile(device):
     qtype = 12  # Q4_K
     data = random_blocks(qtype, 5, 256, seed=1)
-    w = ggml_triton_pack(data, qtype, 256).to(DEVICE)
-    x = torch.randn(1, 256, device=DEVICE)
-    ref = ggml_dequant_ref(data, qtype, 256).to(DEVICE)
+    w = ggml_triton_pack(data, qtype, 256).to(device)
+    x = torch.randn(1, 256, device=device)
+    ref = ggml_dequant_ref(data, qtype, 256).to(device)
     assert torch.allclose(ggml_triton_mm(x, w), x @ ref.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_bad_shapes_are_refused():
+def test_bad_shapes_are_refused(device):
     with pytest.raises(ValueError, match="Q4_K layout"):
         ggml_triton_pack(torch.zeros(4, 100, dtype=torch.uint8), 12, 256)
-    w = ggml_triton_pack(random_blocks(12, 4, 256, 0), 12, 256).to(DEVICE)
+    w = ggml_triton_pack(random_blocks(12, 4, 256, 0), 12, 256).to(device)
     with pytest.raises(ValueError, match="K=256"):
-        ggml_triton_mm(torch.zeros(2, 128, device=DEVICE), w)
+        ggml_triton_mm(torch.zeros(2, 128, device=device), w)
 
 
 @pytest.mark.parametrize("dtype, max_kl", [("float16", 2e-6), ("float32", 0)])
 @torch.inference_mode()
-def test_a_model_of_block_weights_on_the_triton_backend(dtype, max_kl):
+def test_a_model_of_block_weights_on_the_triton_backend(dtype, max_kl, device):
     """A small Llama whose matrices are GGML blocks of several types (Q5_0 Q/K rows fused with Int8 V rows
     turned into Q8_0 blocks — two row segments —, Q4_0, IQ4_NL, Q5_1, a Q4_1 table): the Triton backend
     against the CPU's exact fp32 forward, and the exact path (fp32 activations) equal to fp32 rounding."""
@@ -105,13 +114,11 @@ def test_a_model_of_block_weights_on_the_triton_backend(dtype, max_kl):
                                                    .reshape(*fixed.shape[:2], 2))
             w[f"layers.{i}.{name}"] = GgmlWeight(block_spec(qtype), K, fixed.reshape(N, -1))
     ref_model = Llama(cfg, w, torch_backend(native=None)).eval()
-    if DEVICE == "cpu" and not interpreting():
-        pytest.skip("the Triton backend on CPU needs TRITON_INTERPRET=1")
-    model = Llama(cfg, w, triton_backend(DEVICE, "float16")).eval()
+    model = Llama(cfg, w, triton_backend(device, "float16")).eval()
     assert model.layers[0].qkv.parts[0].w.data2 is not None  # Q5_0 Q/K rows, Q8_0 V rows: one weight
     tokens = torch.randint(0, 101, (2, 7), generator=torch.Generator().manual_seed(1))
     ref = forward(ref_model, tokens, exact=True)
-    got = forward(model, tokens.to(DEVICE), exact=dtype == "float32").cpu().float()
+    got = forward(model, tokens.to(device), exact=dtype == "float32").cpu().float()
     lp, lq = ref.log_softmax(-1), got.log_softmax(-1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
     if max_kl:
