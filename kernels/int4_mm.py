@@ -83,6 +83,16 @@ class Int4Packed:
         return u, sc[..., 0], None if self.symmetric else sc[..., 1]
 
 
+def int4_packed_rows(w: Int4Packed, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 [n, K] of rows ids of a packed table (a tied embedding's lookups): the tiles holding them
+    unpacked, the rows dequantized as quant/int4.py's dequantize computes them (bit for bit)."""
+    ids = ids.to(torch.int64)
+    tiles, where = torch.unique(torch.div(ids, TILE, rounding_mode="floor"), return_inverse=True)
+    u, d, m = w.unpack(tiles)  # [len(tiles) * 16, Kp], [.., G]
+    r = where * TILE + ids % TILE
+    return int4_dequant_ref(u[r], d[r], None if m is None else m[r], w.group_size)[:, : w.in_features]
+
+
 def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
               in_features: int, *, native) -> Int4Packed:
     """codes uint8 [N, Kp] (0..15), scales/mins fp16 [N, G] → lowbit's tile layout (module docstring),

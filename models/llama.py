@@ -132,7 +132,7 @@ class Llama(nn.Module):
             self.output = QuantLinear(weights["output"], backend.linear)
         elif backend.linear.shares_head(self.embed.w):
             self.output = QuantLinear(self.embed.w, backend.linear, spec_name=weights["embed"].spec.name, packed=True)
-        else:  # tied, but the table's lookup form has no matmul kernel (int4 on CPU): a packed copy
+        else:  # tied, but the table's lookup form has no matmul kernel here: a packed copy
             self.output = QuantLinear(weights["embed"], backend.linear)
         self.register_buffer("inv_freq", inv_frequencies(config, weights.get("rope_freqs")).to(backend.device),
                              persistent=False)

@@ -22,7 +22,7 @@ from torch import nn
 from lowbit.kernels.exact_mm import exact_linear, takes_exact
 from lowbit.kernels.ggml_mm import GgmlPacked, ggml_mm, ggml_pack
 from lowbit.kernels.ggml_triton import GgmlTritonPacked, ggml_triton_mm, ggml_triton_pack, ggml_triton_rows
-from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack
+from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack, int4_packed_rows
 from lowbit.kernels.int8_mm import Int8Packed, int8_mm, int8_pack
 from lowbit.kernels.wq_mm import wq_mm, wq_pack_int4, wq_pack_int8, wq_rows
 from lowbit.quant import BnbWeight, FloatWeight, Int4Weight, Int8Weight, Weight
@@ -86,22 +86,22 @@ def _float_linear(x: torch.Tensor, w: FloatWeight, exact: bool | None) -> torch.
 
 
 def _cpu_pack_embedding(weight: Weight, native):
-    # int8 tables are kept in the tile layout and serve both the lookup and the tied head, and so are
-    # GGML-block tables (the file's bytes); an int4 table stays in its plain layout for lookups (the head
-    # gets a packed copy).
-    if isinstance(weight, Int8Weight):
-        return int8_pack(weight.qweight, weight.scales, weight.in_features, native=native)
-    if isinstance(weight, GgmlWeight):
-        return _ggml_pack(weight, native)
+    # Tables are kept in the form the tied head multiplies (int4/int8 tiles, GGML blocks), which the
+    # lookups read too: one copy. (An int4 table once stayed plain for lookups, with a packed copy for
+    # the head: 1.23x the file's bytes for a Q4_0 table.)
+    if isinstance(weight, (Int4Weight, Int8Weight, GgmlWeight)):
+        return _cpu_pack(weight, native)
     return weight
 
 
 def _cpu_rows(w, ids: torch.Tensor) -> torch.Tensor:
     if isinstance(w, (Int8Packed, GgmlPacked)):
         return w.rows(ids)
+    if isinstance(w, Int4Packed):
+        return int4_packed_rows(w, ids)
     if isinstance(w, FloatWeight):
         return w.weight[ids].float()
-    return w.rows(ids).dequantize()  # Int4Weight: dequantize just these rows
+    return w.rows(ids).dequantize()  # a layout kept as loaded: dequantize just these rows
 
 
 def cpu_kernels(native) -> LinearKernels:

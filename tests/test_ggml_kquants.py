@@ -75,10 +75,16 @@ def files(default_gguf, tmp_path_factory) -> dict:
     return out
 
 
-def matrices(files, qtype: T):
+@pytest.fixture(scope="module")
+def readers(files) -> dict:
+    """Each file parsed once (gguf's reader spends seconds on the 49,152-token vocabulary)."""
+    return {name: GGUFReader(files[name]) for name in MIXES}
+
+
+def matrices(readers, qtype: T):
     """(file, tensor) for every matrix of this type in the files."""
-    for name in MIXES:
-        for t in GGUFReader(files[name]).tensors:
+    for name, r in readers.items():
+        for t in r.tensors:
             if t.tensor_type == qtype and len(t.shape) == 2:
                 yield name, t
 
@@ -88,16 +94,16 @@ def reference(t) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)).reshape(N, K)
 
 
-def test_the_files_hold_every_type(files):
-    held = {t.tensor_type for name in MIXES for t in GGUFReader(files[name]).tensors}
+def test_the_files_hold_every_type(readers):
+    held = {t.tensor_type for r in readers.values() for t in r.tensors}
     assert set(TYPES) <= held, f"missing: {[q.name for q in set(TYPES) - held]}"
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_every_tensor_dequantizes_bit_exactly_like_gguf(files, qtype, c_kernels):
+def test_every_tensor_dequantizes_bit_exactly_like_gguf(readers, qtype, c_kernels):
     native = c_kernels.native()
     count = 0
-    for name, t in matrices(files, qtype):
+    for name, t in matrices(readers, qtype):
         K, N = (int(d) for d in t.shape)
         w = load_matrix(t.data, t.tensor_type, N, K, None)
         assert isinstance(w, GgmlWeight) and w.spec.name == qtype.name
@@ -112,16 +118,16 @@ def test_every_tensor_dequantizes_bit_exactly_like_gguf(files, qtype, c_kernels)
     assert count > 0
 
 
-def _one(files, qtype: T):
-    return next(t for _, t in matrices(files, qtype))
+def _one(readers, qtype: T):
+    return next(t for _, t in matrices(readers, qtype))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_fast_kernel_is_close_batch_invariant_and_one_isa(files, qtype, c_kernels):
+def test_fast_kernel_is_close_batch_invariant_and_one_isa(readers, qtype, c_kernels):
     """The C fast path: within the 16-bit activation rounding of the exact product, each row the same
     bits whatever else shares the call, and the same on every instruction set the library has."""
     native = c_kernels.native()
-    t = _one(files, qtype)
+    t = _one(readers, qtype)
     K, N = (int(d) for d in t.shape)
     w = load_matrix(t.data, t.tensor_type, N, K, None)
     p = ggml_pack(w.data, w.qtype, K, native=native)
@@ -140,8 +146,8 @@ def test_fast_kernel_is_close_batch_invariant_and_one_isa(files, qtype, c_kernel
         assert torch.equal(ggml_mm(x, q, exact=False), y), isa
 
 
-def test_exact_path_without_c_kernels_is_the_spec(files):
-    t = _one(files, T.Q4_K)
+def test_exact_path_without_c_kernels_is_the_spec(readers):
+    t = _one(readers, T.Q4_K)
     K, N = (int(d) for d in t.shape)
     w = load_matrix(t.data, t.tensor_type, N, K, None)
     p = ggml_pack(w.data, w.qtype, K, native=None)
@@ -150,10 +156,10 @@ def test_exact_path_without_c_kernels_is_the_spec(files):
                                                                 reference(t))[:3])
 
 
-def test_fused_rows_of_two_types_equal_each_alone(files, c_kernels):
+def test_fused_rows_of_two_types_equal_each_alone(readers, c_kernels):
     """A QKV with Q5_0 Q/K rows and Q8_0 V rows (Q4_K_M's first layers) is one call, two segments."""
     native = c_kernels.native()
-    tensors = {t.name: t for t in GGUFReader(files["Q4_K_M"]).tensors}
+    tensors = {t.name: t for t in readers["Q4_K_M"].tensors}
     parts = []
     for n in ("attn_q", "attn_k", "attn_v"):
         t = tensors[f"blk.0.{n}.weight"]

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from lowbit.kernels.act_quant import BLOCK, act_quant_ref
 from lowbit.kernels.exact_mm import EXACT_MIN_ROWS
-from lowbit.kernels.int4_mm import int4_mm, int4_mm_fast_ref, int4_mm_ref, int4_pack
+from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_mm_fast_ref, int4_mm_ref, int4_pack
 from lowbit.kernels.int8_mm import int8_mm, int8_mm_fast_ref, int8_mm_ref, int8_pack
 from lowbit.quant import Int4Weight, Int8Weight, parse_weights, quantize_weight
 
@@ -309,6 +309,23 @@ def test_int8_rows_are_the_dequantized_rows(decode_kernel):
         w = quantize_weight(_matrix(300, 101, seed=5), parse_weights(name))
         ids = torch.tensor([0, 299, 17, 17, 42])
         assert torch.equal(int8_pack(w.qweight, w.scales, 101, native=decode_kernel.native).rows(ids), w.dequantize()[ids])
+
+
+@pytest.mark.parametrize("name", ["int4-g32", "int4-sym-g64"])
+def test_int4_table_lookups_read_the_tiles(name):
+    """A tied int4 table is held once, in tiles, for the head's matmul and the lookups alike: its rows
+    are the reference dequantization (N and K not whole tiles or groups), and the model keeps no copy."""
+    from lowbit.kernels.int4_mm import int4_packed_rows
+    from lowbit.quant.linear import cpu_kernels
+
+    w = quantize_weight(_matrix(300, 101, seed=6), parse_weights(name))
+    packed = int4_pack(w.codes(), w.scales, w.mins, w.spec.group_size, 101, native=None)
+    ids = torch.tensor([0, 299, 17, 17, 42, 15, 16])
+    assert torch.equal(int4_packed_rows(packed, ids), w.dequantize()[ids])
+    kernels = cpu_kernels(None)
+    table = kernels.pack_embedding(w)
+    assert isinstance(table, Int4Packed) and kernels.shares_head(table)
+    assert torch.equal(kernels.rows(table, ids), w.dequantize()[ids])
 
 
 @pytest.mark.parametrize("name", ["int4-g32", "int8-g32", "f32"])
