@@ -29,7 +29,7 @@ from huggingface_hub import constants
 
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load import hub
-from lowbit.runtime.load.hub import HubRef, pick_gguf, quant_of
+from lowbit.runtime.load.hub_ref import HubRef, pick_gguf, quant_of
 from lowbit.runtime.load.registry import list_models, pull, resolve
 from tests.test_cli import write_tiny_gguf
 
