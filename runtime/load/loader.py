@@ -77,12 +77,15 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         n_layers = _hf_layers(path)
         update, close = _progress_bar(n_layers, f"loading {path.name}", progress)
         try:
-            config, w, _ = load_hf_dir(path, spec, update)
+            config, w, cfg = load_hf_dir(path, spec, update)
         except ValueError as e:  # a layout that cannot hold this model (e.g. bnb-nf4 on odd widths)
             raise LowbitError(f"{path}: {e}") from None
         finally:
             close()
-        source, used = "safetensors", spec.name
+        qc = cfg.get("quantization_config")
+        # a GPTQ/AWQ checkpoint keeps its own codes whatever quantized layout was asked for
+        method = qc.get("quant_method") if isinstance(qc, dict) and spec.quantized else None
+        source, used = "safetensors", f"{method} (as stored)" if method else spec.name
     else:
         from lowbit.runtime.load.gguf_file import GGUFFile
         from lowbit.runtime.load.gguf import load_gguf
