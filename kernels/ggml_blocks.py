@@ -45,6 +45,17 @@ def row_bytes(qtype: int, K: int) -> int:
     return K // qk * nb
 
 
+def check_rows(data: torch.Tensor | None, qtype: int, K: int) -> None:
+    """A ValueError unless data (or None) is uint8 [N, row_bytes(qtype, K)] of whole blocks: what the
+    kernels read."""
+    if data is None:
+        return
+    name, qk, nb = BLOCKS[qtype]
+    if K % qk or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != K // qk * nb:
+        raise ValueError(f"{name} layout: rows of {K} values need {K // qk * nb} bytes of whole {qk}-value "
+                         f"blocks, got {tuple(data.shape)} {data.dtype}")
+
+
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 2] → fp32 [..., 1] (little-endian fp16)."""
     return b.contiguous().view(torch.float16).float()

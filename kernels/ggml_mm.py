@@ -21,7 +21,7 @@ import torch
 
 from lowbit.kernels import cpu_native
 from lowbit.kernels.exact_mm import exact_linear, in_tiles, takes_exact
-from lowbit.kernels.ggml_blocks import BLOCKS, ggml_dequant_ref
+from lowbit.kernels.ggml_blocks import BLOCKS, check_rows, ggml_dequant_ref
 
 
 @dataclass
@@ -69,13 +69,8 @@ class GgmlPacked:
 def ggml_pack(data: torch.Tensor, qtype: int, in_features: int, data2: torch.Tensor | None = None,
               qtype2: int = 0, *, native) -> GgmlPacked:
     """The file's blocks as they are (no repacking), multiplied by `native` or, when None, the exact path."""
-    for d, t in ((data, qtype), (data2, qtype2)):
-        if d is None:
-            continue
-        name, qk, nb = BLOCKS[t]
-        if in_features % qk or d.dtype != torch.uint8 or d.dim() != 2 or d.shape[1] != in_features // qk * nb:
-            raise ValueError(f"{name} layout: rows of {in_features} values need {in_features // qk * nb} bytes "
-                             f"of whole {qk}-value blocks, got {tuple(d.shape)} {d.dtype}")
+    check_rows(data, qtype, in_features)
+    check_rows(data2, qtype2, in_features)
     return GgmlPacked(data.contiguous(), qtype, in_features, None if data2 is None else data2.contiguous(),
                       qtype2, native)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.kernels.ggml_blocks import BLOCKS, KVALUES, ggml_dequant_ref
+from lowbit.kernels.ggml_blocks import BLOCKS, KVALUES, check_rows, ggml_dequant_ref
 from lowbit.kernels.triton_import import check_device, tl, triton
 
 SUB16 = (10, 11, 14)  # Q2_K, Q3_K, Q6_K: a scale per 16 values
@@ -49,13 +49,8 @@ class GgmlTritonPacked:
 
 def ggml_triton_pack(data: torch.Tensor, qtype: int, in_features: int, data2: torch.Tensor | None = None,
                      qtype2: int = 0) -> GgmlTritonPacked:
-    for d, t in ((data, qtype), (data2, qtype2)):
-        if d is None:
-            continue
-        name, qk, nb = BLOCKS[t]
-        if in_features % qk or d.dtype != torch.uint8 or d.dim() != 2 or d.shape[1] != in_features // qk * nb:
-            raise ValueError(f"{name} layout: rows of {in_features} values need {in_features // qk * nb} bytes, "
-                             f"got {tuple(d.shape)} {d.dtype}")
+    check_rows(data, qtype, in_features)
+    check_rows(data2, qtype2, in_features)
     return GgmlTritonPacked(data.contiguous(), qtype, in_features, torch.tensor(KVALUES, dtype=torch.int32),
                             None if data2 is None else data2.contiguous(), qtype2)
 

@@ -87,3 +87,12 @@ def forward(model, tokens, exact=None, kv: str = "f32"):
     """tokens int [B, T], each row a whole sequence from position 0 → logits fp32 [B, T, V] (one pass,
     as the engine prefills a prompt)."""
     return Sequences(model, tokens.shape[0], tokens.shape[1], kv).step(tokens, exact)
+
+
+def one_line(e, *needles: str) -> str:
+    """An exception's message (pytest.ExceptionInfo e): one line holding every needle."""
+    msg = str(e.value)
+    assert msg and "\n" not in msg, repr(msg)
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    return msg

@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import importlib
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +49,7 @@ from lowbit.quant.linear import QuantLinear, cpu_kernels, fuse_rows
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load.safetensors import load_hf_dir
 from tests.helpers import Sequences, forward
+from tests.test_safetensors_models import randomize
 
 transformers = importlib.import_module("transformers")
 
@@ -140,17 +140,9 @@ def _hf_model(family: str = "llama", seed: int = 0):
                   "qwen2-tied": ("Qwen2", dict(tie_word_embeddings=True))}[family]
     config = getattr(transformers, f"{cls}Config")(**SMALL, **extra)
     model = getattr(transformers, f"{cls}ForCausalLM")(config).float().eval()
-    g = torch.Generator().manual_seed(seed)
+    randomize(model, seed)  # tests/test_safetensors_models.py's values
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(3.0 / math.sqrt(SMALL["hidden_size"]) * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+        for p in model.parameters():
             p.copy_(p.half().float())
     return model
 

@@ -31,6 +31,7 @@ from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load import hub
 from lowbit.runtime.load.hub_ref import HubRef, pick_gguf, quant_of
 from lowbit.runtime.load.registry import list_models, pull, resolve
+from tests.helpers import one_line
 from tests.test_cli import write_tiny_gguf
 
 LOWBIT = [sys.executable, "-m", "lowbit.runtime.cli"]
@@ -222,14 +223,6 @@ def run_cli(args, home: Path, endpoint: str, timeout: float = 120, **env) -> sub
     e = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     e.update(HF_HOME=str(home), HF_ENDPOINT=endpoint, LOWBIT_MODELS=str(home.parent / "models"), **env)
     return subprocess.run([*LOWBIT, *args], cwd=home.parent, env=e, capture_output=True, text=True, timeout=timeout)
-
-
-def one_line(e: pytest.ExceptionInfo, *needles: str) -> str:
-    msg = str(e.value)
-    assert msg and "\n" not in msg, repr(msg)
-    for n in needles:
-        assert n in msg, f"{n!r} not in {msg!r}"
-    return msg
 
 
 # ---- picking the file (no network) ---------------------------------------------------------------

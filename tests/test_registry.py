@@ -21,6 +21,7 @@ import pytest
 from lowbit.runtime.load import registry
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load.registry import ALIASES, DEFAULT_MODEL, RegistryModel, list_models, pull, resolve
+from tests.helpers import one_line
 
 DEFAULT = ALIASES[DEFAULT_MODEL]
 _SCRIPT = Path(sys.executable).with_name("lowbit")
@@ -33,14 +34,6 @@ def lowbit(args, models: Path, cwd: Path, timeout: float = 300) -> subprocess.Co
     env["LOWBIT_MODELS"] = str(models)
     env["HF_HOME"] = str(models / ".hf")  # `lowbit models` lists the hub cache too: an empty one here
     return subprocess.run([*LOWBIT, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def one_line(e: pytest.ExceptionInfo, *needles: str) -> str:
-    msg = str(e.value)
-    assert msg and "\n" not in msg, repr(msg)
-    for n in needles:
-        assert n in msg, f"{n!r} not in {msg!r}"
-    return msg
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ loaded by runtime/load/safetensors.py and run by models/llama.py, against `trans
 Every model: 2 layers, dim 96, 4 heads / 2 KV heads (head_dim 24), hidden 256, vocab 300; saved in
 fp32 with save_pretrained(safe_serialization=True). dim 96 is not a multiple of 64 or 128, so g128
 layouts run with a partial last group. HF's init (std 0.02, unit norms, zero biases) gives
-near-uniform logits and zero biases, against which no loader bug shows; `_randomize` gives every
+near-uniform logits and zero biases, against which no loader bug shows; `randomize` gives every
 parameter a real value instead (norms 1 ± 0.2, biases ~0.5, unit-gain projections, logits with
 std ≈ 3, mean next-token entropy 2.0-2.6 nats of a possible 5.7).
 
@@ -103,7 +103,7 @@ F32_RTOL = 1e-4
 LOGIT_STD = 3.0  # logits of a real small LM have std ≈ 2-4 and entropy ≈ 2-3 nats
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int) -> None:
     """Real-valued everything (see the module docstring); tied tables are one parameter, set once.
     Every value comes from this generator, so the test does not depend on transformers' init."""
     g = torch.Generator().manual_seed(seed)
@@ -124,7 +124,7 @@ def _build(name: str, seed: int = 0):
     cfg_cls, model_cls, extra = MODELS[name]
     config = getattr(transformers, cfg_cls)(**SMALL, **extra)
     model = getattr(transformers, model_cls)(config).float().eval()
-    _randomize(model, seed)
+    randomize(model, seed)
     return model
 
 
