@@ -49,7 +49,7 @@ from lowbit.quant.linear import QuantLinear, cpu_kernels, fuse_rows
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load.safetensors import load_hf_dir
 from tests.helpers import Sequences, forward
-from tests.test_safetensors_models import randomize
+from tests.test_safetensors_models import copy_checkpoint, randomize
 
 transformers = importlib.import_module("transformers")
 
@@ -422,16 +422,8 @@ def test_permuted_linear_on_triton(int8):
 # ---- (e) one-line errors ------------------------------------------------------------------------------
 
 def _variant(src: Path, dst: Path, qc_edit=None, edit=None) -> Path:
-    dst.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((src / "config.json").read_text())
-    if qc_edit:
-        qc_edit(cfg["quantization_config"])
-    (dst / "config.json").write_text(json.dumps(cfg))
-    t = load_file(src / "model.safetensors")
-    if edit:
-        edit(t)
-    save_file(t, dst / "model.safetensors")
-    return dst
+    """A copy of the checkpoint with its quantization_config and/or tensors edited."""
+    return copy_checkpoint(src, dst, edit, None if qc_edit is None else lambda cfg: qc_edit(cfg["quantization_config"]))
 
 
 def _fails(path: Path, pattern: str, weights: str = "int4-g32") -> None:

@@ -270,7 +270,7 @@ def test_sharded_and_bf16_checkpoint(tmp_path):
     assert torch.equal(w4["layers.0.wq"].qweight, expect.qweight) and torch.equal(w4["layers.0.wq"].scales, expect.scales)
 
 
-def _copy_checkpoint(src: Path, dst: Path, edit=None, cfg_edit=None) -> Path:
+def copy_checkpoint(src: Path, dst: Path, edit=None, cfg_edit=None) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
     if cfg_edit:
@@ -287,27 +287,27 @@ def test_errors_name_the_problem(qwen_dir, tmp_path):
     path, _ = qwen_dir
     spec = parse_weights("int4-g32")
 
-    bad = _copy_checkpoint(path, tmp_path / "missing", edit=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    bad = copy_checkpoint(path, tmp_path / "missing", edit=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(LowbitError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight"):
         load_hf_dir(bad, spec)
 
-    bad = _copy_checkpoint(path, tmp_path / "nobias", edit=lambda t: t.pop("model.layers.0.self_attn.v_proj.bias"))
+    bad = copy_checkpoint(path, tmp_path / "nobias", edit=lambda t: t.pop("model.layers.0.self_attn.v_proj.bias"))
     with pytest.raises(LowbitError, match=r"v_proj\.bias"):
         load_hf_dir(bad, spec)
 
     def reshape(t):
         t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:24].clone()
-    bad = _copy_checkpoint(path, tmp_path / "shape", edit=reshape)
+    bad = copy_checkpoint(path, tmp_path / "shape", edit=reshape)
     with pytest.raises(LowbitError, match=r"k_proj\.weight has shape \[24, 96\].*\[48, 96\]"):
         load_hf_dir(bad, spec)
 
     def extra(t):
         t["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(96)
-    bad = _copy_checkpoint(path, tmp_path / "extra", edit=extra)
+    bad = copy_checkpoint(path, tmp_path / "extra", edit=extra)
     with pytest.raises(LowbitError, match=r"o_proj\.bias"):
         load_hf_dir(bad, spec)
 
-    bad = _copy_checkpoint(path, tmp_path / "arch", cfg_edit=lambda c: c.update(model_type="gpt2"))
+    bad = copy_checkpoint(path, tmp_path / "arch", cfg_edit=lambda c: c.update(model_type="gpt2"))
     with pytest.raises(LowbitError, match=r"unknown model_type .gpt2. in config\.json"):
         load_hf_dir(bad, spec)
 
