@@ -1,0 +1,167 @@
+"""SASS instructions per packed weight word in the main loop of each GPU decode kernel, compiled for
+sm_90 (H100/H200) on the CPU — no GPU needed.
+
+    python tests/bench/sass_count.py [--arch 90] [--layouts int4-g128,int4-g32,...] [--rows 1,16]
+
+Each decode configuration `kernels/wq_mm.py` `choose_config` picks (for a 4096x4096 weight on a
+132-SM device with 228 KiB of shared memory) is compiled with `triton.compile` for a CUDA target,
+and the cubin disassembled with the `nvdisasm` in Triton's wheel. The main loop is the longest span
+between a label and a branch back to it; its instructions are classed by opcode (integer/logic,
+conversion, FMA/MMA, global load/store, shared memory (cp.async included), warp shuffles and barriers) and scaled to thread-instructions per
+packed 32-bit weight word:
+
+    per word = instructions in the loop x threads of a program / words one iteration loads
+             (words = BLOCK_K x BLOCK_N x bits / 32)
+
+That is the loop's budget: at 4.8 TB/s (1.2 G words/s) over 132 SMs issuing 4 x 32 thread-instructions a
+cycle at ~1.98 GHz, an H200 has ~28 thread-instructions per word at full issue, so >= 70% of bandwidth
+needs <= ~20. Shared-memory round
+trips (STS/LDS/LDSM in the loop, and the TTGIR's local_alloc / convert_layout ops) show whether the
+weights are reshuffled through shared memory. One line per kernel and configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+CLASSES = (  # opcode prefixes (the part before the first dot) → class; the first match wins
+    # LDGSTS (cp.async) copies global memory into shared: the start of a round trip through shared memory
+    ("shared", ("LDS", "STS", "LDSM", "STSM", "ATOMS", "LDGSTS")),
+    ("load/store", ("LDG", "STG", "LD", "ST", "RED", "ATOM", "UBLKCP", "UTMALDG")),
+    ("FMA/MMA", ("FFMA", "FMUL", "FADD", "FMNMX", "HFMA2", "HADD2", "HMUL2", "HMMA", "IMMA", "HGMMA", "IGMMA",
+                 "DFMA", "FSWZADD")),
+    ("conversion", ("I2F", "F2I", "F2F", "I2FP", "F2FP", "FRND", "I2I")),
+    ("integer/logic", ("IADD3", "IMAD", "LOP3", "SHF", "SHL", "SHR", "PRMT", "ISETP", "IMNMX", "LEA", "SEL", "MOV",
+                       "IABS", "POPC", "FLO", "BMSK", "SGXT", "VIADD", "VIMNMX", "UIADD3", "UIMAD", "ULOP3",
+                       "USHF", "UMOV", "USEL", "ULEA", "UISETP", "R2UR", "S2R", "S2UR", "CS2R", "PLOP3", "P2R",
+                       "R2P", "FSETP", "FSEL", "HSETP2", "IDP", "IDP4A")),
+    ("shuffle/sync", ("SHFL", "BAR", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "BRA", "LDC", "NOP", "MEMBAR")),
+)
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+LABEL = re.compile(r"^\.(L_x_\d+):")
+BRANCH = re.compile(r"BRA\s+`?\(?\.(L_x_\d+)")
+
+
+def classify(op: str) -> str:
+    base = op.split(".")[0]
+    for name, prefixes in CLASSES:
+        if base in prefixes:
+            return name
+    return "other"
+
+
+def main_loop(sass: str) -> list[str]:
+    """The opcodes of the longest loop: from a label to the last branch back to it."""
+    ops: list[tuple[str, str]] = []  # (label or "", opcode)
+    labels: dict[str, int] = {}
+    backs: list[tuple[str, int]] = []
+    for line in sass.splitlines():
+        m = LABEL.match(line.strip())
+        if m:
+            labels[m.group(1)] = len(ops)
+            continue
+        m = LINE.search(line)
+        if not m:
+            continue
+        b = BRANCH.search(line)
+        if b and b.group(1) in labels:
+            backs.append((b.group(1), len(ops)))
+        ops.append(("", m.group(3)))
+    loops = [(labels[lab], end) for lab, end in backs]
+    if not loops:
+        return []
+    start, end = max(loops, key=lambda se: se[1] - se[0])
+    return [op for _, op in ops[start:end + 1]]
+
+
+def compile_config(w, cfg, x_dtype: torch.dtype, arch: int):
+    """The decode kernel for this weight and launch config, compiled for sm_<arch> → (sass, ttgir)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lowbit.kernels.wq_mm import FORMS, _wq_mm_kernel
+
+    tname = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+    qt = "*i32" if w.bits == 4 else "*i8"
+    st = "*fp32" if w.per_channel else "*fp16"
+    sig = {"x_ptr": tname[x_dtype], "q_ptr": qt, "s_ptr": st, "m_ptr": st, "y_ptr": "*fp32", "M": "i32", "N": "i32",
+           "K": "i32", "Kp": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_ys": "i32"}
+    const = dict(BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+                 GROUP_M=cfg.group_m, IEEE=x_dtype == torch.float32, FORM=FORMS.index(cfg.form), INTERP=False)
+    sig.update({k: "constexpr" for k in const})
+    src = ASTSource(_wq_mm_kernel, sig, constexprs=const)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return sass, k.asm["ttgir"]
+
+
+def weight(layout: str, N: int, K: int):
+    from lowbit.kernels.wq_mm import wq_pack_int4, wq_pack_int8
+    from lowbit.quant import parse_weights, quantize_weight
+
+    w = quantize_weight(torch.randn(N, K) * 0.02, parse_weights(layout))
+    if w.spec.bits == 4:
+        return wq_pack_int4(w.codes(), w.scales, w.mins, w.spec.group_size, w.in_features)
+    return wq_pack_int8(w.qweight, w.scales, w.in_features)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (default 90: H100/H200)")
+    ap.add_argument("--layouts", default="int4-g128,int4-sym-g128,int4-g32,int8-g32,int8")
+    ap.add_argument("--rows", default="1,16", help="decode row counts M (each picks its config)")
+    ap.add_argument("--shape", default="4096x4096", help="N x K the configs are chosen for")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    # Triton 3.9 warns unless this is set; 1 is its current default (FMA contraction on). The kernels
+    # are compiled, never interpreted, whatever TRITON_INTERPRET the caller has (the tests set it).
+    import os
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    os.environ["TRITON_INTERPRET"] = "0"
+    args = ap.parse_args()
+    from lowbit.kernels import wq_mm
+
+    # the H200's: 132 SMs, 227 KiB of shared memory per block (choose_config asks the device)
+    wq_mm._sm_count = lambda device: 132
+    wq_mm._smem_limit = lambda device: 232448
+    N, K = (int(v) for v in args.shape.split("x"))
+    x_dtype = getattr(torch, args.dtype)
+    for layout in args.layouts.split(","):
+        w = weight(layout, N, K)
+        for M in (int(m) for m in args.rows.split(",")):
+            cfg = wq_mm.choose_config(M, w, torch.device("cuda"), x_dtype)
+            sass, ttgir = compile_config(w, cfg, x_dtype, args.arch)
+            loop = main_loop(sass)
+            words = cfg.block_k * cfg.block_n * w.bits // 32
+            threads = 32 * cfg.num_warps
+            per_word = len(loop) * threads / words
+            by = Counter(classify(op) for op in loop)
+            classes = ", ".join(f"{name} {by[name] * threads / words:.1f}" for name, _ in CLASSES if by[name])
+            other = by["other"] * threads / words
+            smem = by["shared"]
+            allocs = len(re.findall(r"ttg\.local_alloc", ttgir)) + len(re.findall(r"ttg\.convert_layout", ttgir))
+            print(f"{layout} M={M} form={cfg.form} tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} warps "
+                  f"{cfg.num_warps} split {cfg.split_k}: loop {len(loop)} instructions/thread, {words} words/iteration "
+                  f"-> {per_word:.1f} instructions per packed word ({classes}, other {other:.1f}); "
+                  f"shared-memory ops in the loop {smem}, TTGIR local_alloc/convert_layout {allocs}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
