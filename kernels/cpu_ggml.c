@@ -124,29 +124,14 @@ static inline __attribute__((always_inline)) __m256i decode32(const int64_t T, c
 
 /* One block → int8 codes c [values] (32-byte aligned), a [values / 16], b [values / 16] (b untouched
  * where has_min is 0). Codes by AVX2 byte shuffles, 32 at a time; scales scalar (one per 16 or 32). */
-static inline void decode(int64_t t, const uint8_t *p, int8_t *c, float *a, float *b) {
+static inline __attribute__((always_inline)) void decode(int64_t t, const uint8_t *p, int8_t *c, float *a, float *b) {
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues));
     switch (t) {
-        case Q4_0: case Q4_1: case IQ4_NL: {
-            const __m256i u = nibbles(p + (t == Q4_1 ? 4 : 2));
-            store32(c, t == IQ4_NL ? _mm256_shuffle_epi8(lut, u) : t == Q4_0 ? _mm256_sub_epi8(u, _mm256_set1_epi8(8)) : u);
-            a[0] = a[1] = f16(p);
-            if (t == Q4_1) b[0] = b[1] = f16(p + 2);
+        case Q4_0: case Q4_1: case Q8_0: case Q5_0: case Q5_1: case IQ4_NL:  /* one scale (and min) per 32 */
+            store32(c, decode32(t, p, a, b));
+            a[1] = a[0];
+            if (has_min(t)) b[1] = b[0];
             return;
-        }
-        case Q8_0:
-            store32(c, _mm256_loadu_si256((const __m256i *)(p + 2)));
-            a[0] = a[1] = f16(p);
-            return;
-        case Q5_0: case Q5_1: {
-            uint32_t qh;
-            memcpy(&qh, p + (t == Q5_0 ? 2 : 4), 4);
-            const __m256i u = _mm256_or_si256(nibbles(p + (t == Q5_0 ? 6 : 8)), fifth_bits(qh));
-            store32(c, t == Q5_0 ? _mm256_sub_epi8(u, _mm256_set1_epi8(16)) : u);
-            a[0] = a[1] = f16(p);
-            if (t == Q5_1) b[0] = b[1] = f16(p + 2);
-            return;
-        }
         case Q2_K: {
             const float d = f16(p + 80), dmin = f16(p + 82);
             for (int j = 0; j < 16; j++) a[j] = d * (float)(p[j] & 0xF), b[j] = -(dmin * (float)(p[j] >> 4));

@@ -26,7 +26,6 @@ from lowbit.kernels.ggml_blocks import BLOCKS, KVALUES, check_rows, ggml_dequant
 from lowbit.kernels.triton_import import check_device, tl, triton
 
 SUB16 = (10, 11, 14)  # Q2_K, Q3_K, Q6_K: a scale per 16 values
-WITH_MIN = (3, 7, 10, 12, 13)  # Q4_1, Q5_1, Q2_K, Q4_K, Q5_K: w = a c + b
 
 
 @dataclass

@@ -14,6 +14,7 @@ are kept as bitsandbytes holds them and multiplied by bitsandbytes, on CPU only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -85,15 +86,6 @@ def _float_linear(x: torch.Tensor, w: FloatWeight, exact: bool | None) -> torch.
     return torch.nn.functional.linear(x.to(w.weight.dtype), w.weight)
 
 
-def _cpu_pack_embedding(weight: Weight, native):
-    # Tables are kept in the form the tied head multiplies (int4/int8 tiles, GGML blocks), which the
-    # lookups read too: one copy. (An int4 table once stayed plain for lookups, with a packed copy for
-    # the head: 1.23x the file's bytes for a Q4_0 table.)
-    if isinstance(weight, (Int4Weight, Int8Weight, GgmlWeight)):
-        return _cpu_pack(weight, native)
-    return weight
-
-
 def _cpu_rows(w, ids: torch.Tensor) -> torch.Tensor:
     if isinstance(w, (Int8Packed, GgmlPacked)):
         return w.rows(ids)
@@ -101,13 +93,16 @@ def _cpu_rows(w, ids: torch.Tensor) -> torch.Tensor:
         return int4_packed_rows(w, ids)
     if isinstance(w, FloatWeight):
         return w.weight[ids].float()
-    return w.rows(ids).dequantize()  # a layout kept as loaded: dequantize just these rows
+    return w.rows(ids).dequantize()  # bitsandbytes' layouts: dequantize just these rows
 
 
 def cpu_kernels(native) -> LinearKernels:
     """The CPU backend's: lowbit's layouts multiplied by `native` (kernels/cpu_native.py's C kernels),
     or, when it is None, by the exact path alone."""
-    return LinearKernels(lambda w: _cpu_pack(w, native), _cpu_matmul, lambda w: _cpu_pack_embedding(w, native),
+    # A table is packed as any weight: the tied head multiplies that form and the lookups read it, so it
+    # is held once (int4/int8 tiles, GGML blocks; a plain copy for lookups would double its bytes).
+    pack = partial(_cpu_pack, native=native)
+    return LinearKernels(pack, _cpu_matmul, pack,
                          _cpu_rows, lambda w: isinstance(w, (Int8Packed, Int4Packed, GgmlPacked, FloatWeight)))
 
 

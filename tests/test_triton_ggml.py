@@ -27,7 +27,7 @@ def device(request) -> str:
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     if request.param == "cpu" and not interpreting():
-        pytest.skip("the kernel on CPU needs TRITON_INTERPRET=1")
+        pytest.skip("no GPU, and TRITON_INTERPRET=0: the kernel runs on the CPU only under the interpreter (conftest sets it)")
     return request.param
 
 # where each type's fp16 super-scales sit in its block (made finite below)
