@@ -77,7 +77,7 @@ def relayout(raw: np.ndarray, qtype: T, N: int, K: int) -> Weight:
     """Q4_0 / Q4_1 / Q8_0 bytes of an [N, K] matrix → the lowbit layout with identical values.
     (numpy for the byte shuffling: a few ms for the largest matrix of the default model.)"""
     spec = RELAYOUT[qtype]
-    nb = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34}[qtype]
+    nb = BLOCKS[int(qtype)][2]  # bytes per block
     b = np.ascontiguousarray(raw).view(np.uint8).reshape(N, K // 32, nb)  # [N, G, nb]
     # np.array(copy=True): every array kept must own its bytes, never alias the read-only file map
     d = torch.from_numpy(np.array(b[..., 0:2], copy=True).view(np.float16)[..., 0])  # [N, G] fp16

@@ -284,13 +284,6 @@ def test_bad_ref(ref):
     one_line(e, repr(ref), "hf:ORG/REPO[:QUANT]")
 
 
-def test_without_huggingface_hub(monkeypatch):
-    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails as if not installed
-    with pytest.raises(LowbitError) as e:
-        resolve("hf:test/tiny")
-    one_line(e, "pip install huggingface_hub")
-
-
 # ---- pulling from the fake hub -------------------------------------------------------------------
 
 def test_pull_default_quant_into_the_hub_cache(fake, home, tiny):

@@ -6,6 +6,7 @@ bad file fails in a second with one line naming file, tensor and type rather tha
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,8 +51,7 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
     _check_tensors(f)
     tensors = {t.name: t for t in f.tensors}
     if target is None and note is not None:
-        for qtype in sorted({t.tensor_type for t in f.tensors if t.tensor_type in REQUANTIZED}):
-            count = sum(t.tensor_type == qtype for t in f.tensors)
+        for qtype, count in sorted(Counter(t.tensor_type for t in f.tensors if t.tensor_type in REQUANTIZED).items()):
             one = count == 1
             note(f"{count} tensor{'' if one else 's'} of type {qtype.name} {'has' if one else 'have'} no lossless "
                  f"lowbit layout: requantized to {REQUANTIZED[qtype].name}")

@@ -25,17 +25,10 @@ from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 from lowbit.runtime.errors import LowbitError
-from lowbit.runtime.load.hub_ref import (PREFIX, REF_SYNTAX, SPLIT_PART, HF_SIDE_FILES, INDEX_NAME, HubRef, parse_ref, quant_of, gguf_files, pick_gguf, is_hf_dir, shard_names)
+from lowbit.runtime.load.hub_ref import (HF_SIDE_FILES, INDEX_NAME, PREFIX, SPLIT_PART, HubRef, gguf_files, is_hf_dir,
+                                         parse_ref, pick_gguf, quant_of, shard_names)
 
 # ---- the local cache: no network -----------------------------------------------------------------
-
-def _require_hf() -> None:
-    """huggingface_hub is needed only for `hf:` refs (it is not a dependency of lowbit's own)."""
-    try:
-        importlib.import_module("huggingface_hub")
-    except ImportError:
-        raise LowbitError(f"{REF_SYNTAX} references need huggingface_hub: pip install huggingface_hub") from None
-
 
 def _storage(repo_id: str) -> Path:
     from huggingface_hub import constants
@@ -237,7 +230,6 @@ def pull(ref_text: str, progress: Callable[[str], None] | None = None) -> Path:
     """Fetch what `ref_text` names into the hub cache → the .gguf file or the snapshot directory.
     With the hub unreachable (or HF_HUB_OFFLINE=1) a cached copy is used instead."""
     ref = parse_ref(ref_text)
-    _require_hf()
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import OfflineModeIsEnabled
 
@@ -287,7 +279,6 @@ def resolve(ref_text: str, auto_pull: bool = True, progress: Callable[[str], Non
     """`hf:` ref → a local path: the cached copy without touching the network when the ref names it
     exactly, else a pull (which falls back to the cache when the hub cannot be reached)."""
     ref = parse_ref(ref_text)
-    _require_hf()
     local = cached(ref, exact_only=True)
     if local is not None:
         return local
@@ -300,12 +291,10 @@ def resolve(ref_text: str, auto_pull: bool = True, progress: Callable[[str], Non
 
 def cached_models() -> list[tuple[str, str, int, Path]]:
     """(name, format, bytes, path) for each model in the hub cache, named as `hf:` refs that resolve
-    to it. Empty without huggingface_hub or a cache."""
-    try:
-        from huggingface_hub import constants, scan_cache_dir
-        from huggingface_hub.errors import CacheNotFound
-    except ImportError:
-        return []
+    to it. Empty without a cache."""
+    from huggingface_hub import constants, scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
     try:
         info = scan_cache_dir(constants.HF_HUB_CACHE)
     except (CacheNotFound, OSError):

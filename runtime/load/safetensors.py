@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from contextlib import ExitStack
 from pathlib import Path
 from types import MappingProxyType
@@ -94,14 +95,10 @@ def safetensors_tensor_types(path: Path) -> dict[str, tuple[int, int]]:
             for name in h.keys():
                 sl = h.get_slice(name)
                 dtype = str(sl.get_dtype())
-                n = 1
-                for d in sl.get_shape():
-                    n *= int(d)
                 entry = out.setdefault(dtype, [0, 0])
                 entry[0] += 1
-                entry[1] += n * DTYPE_BYTES.get(dtype, 0)
+                entry[1] += math.prod(int(d) for d in sl.get_shape()) * DTYPE_BYTES.get(dtype, 0)
     return {k: (n, b) for k, (n, b) in sorted(out.items(), key=lambda kv: -kv[1][1])}
-
 
 
 def _open_all(path: Path, files: list[Path], stack: ExitStack) -> dict[str, Any]:
