@@ -122,10 +122,34 @@ def _one(readers, qtype: T):
     return next(t for _, t in matrices(readers, qtype))
 
 
+@pytest.fixture(scope="module")
+def avx2_only(tmp_path_factory):
+    """The library an AVX2-only CPU builds (no AVX-512, no VNNI), compiled here from the same sources
+    into a cache of its own."""
+    import os
+
+    from lowbit.kernels import cpu_native
+
+    if cpu_native.native() is None:
+        pytest.skip("the C kernels do not build here (tests/test_cpu_native.py says whether they must)")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("avx2-build"))
+    try:
+        k = cpu_native.load(cpu_native._build({"avx2", "fma", "f16c"}))
+    finally:
+        if old is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = old
+    assert k.isas == ["avx2"]
+    return k
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_fast_kernel_is_close_batch_invariant_and_one_isa(readers, qtype, c_kernels):
+def test_fast_kernel_is_close_batch_invariant_and_one_isa(readers, qtype, c_kernels, avx2_only):
     """The C fast path: within the 16-bit activation rounding of the exact product, each row the same
-    bits whatever else shares the call, and the same on every instruction set the library has."""
+    bits whatever else shares the call, and the same on every instruction set the library has and on
+    the library an AVX2-only machine builds."""
     native = c_kernels.native()
     t = _one(readers, qtype)
     K, N = (int(d) for d in t.shape)
@@ -141,9 +165,9 @@ def test_fast_kernel_is_close_batch_invariant_and_one_isa(readers, qtype, c_kern
     for M in (1, 2, 3, 5, 8, 15):
         assert torch.equal(ggml_mm(x[:M], p, exact=False), y[:M]), f"M={M}"
     assert torch.equal(ggml_mm(x[7:8], p, exact=False), y[7:8])
-    for isa in native.isas:
-        q = ggml_pack(w.data, w.qtype, K, native=native.with_isa(isa))
-        assert torch.equal(ggml_mm(x, q, exact=False), y), isa
+    for kernels in [native.with_isa(isa) for isa in native.isas] + [avx2_only]:
+        q = ggml_pack(w.data, w.qtype, K, native=kernels)
+        assert torch.equal(ggml_mm(x, q, exact=False), y), kernels.isa
 
 
 def test_exact_path_without_c_kernels_is_the_spec(readers):
