@@ -176,8 +176,18 @@ def _ranks(pid: int) -> list[int]:
     """The server's rank processes (torch.multiprocessing spawn children, not its resource tracker)."""
     kids = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        kids += open(f"/proc/{pid}/task/{task}/children").read().split()
-    return [int(k) for k in kids if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
+        try:  # a thread (uvicorn's, torch's) may end between the listing and the read
+            kids += open(f"/proc/{pid}/task/{task}/children").read().split()
+        except FileNotFoundError:
+            pass
+    ranks = []
+    for k in kids:
+        try:
+            if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read():
+                ranks.append(int(k))
+        except FileNotFoundError:  # a short-lived child (the resource tracker's helper) already gone
+            pass
+    return ranks
 
 
 def _stop(proc) -> None:
