@@ -1,76 +1,83 @@
 """Weight-only quantized matmul on the GPU (Triton): y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
 
 One kernel serves every lowbit layout — int4 symmetric (w = d * (u - 8)) and asymmetric
-(w = d * u + m) with groups of 32/64/128, int8 per group (w = d * q) and per output channel —
-for fp16/bf16 activations (and fp32, computed in IEEE fp32, for the exact path), with fp32
-accumulation. Decode and small batches read the weights packed and dequantize in registers; only
-the prefill form "dequant" (M >= DEQUANT_MIN_ROWS, 16-bit x and y) writes a dequantized copy of W,
-for that call only (4096x4096 in bf16: 32 MiB, freed on return), and hands the product to cuBLAS.
+(w = d * u + m) with groups of any multiple of 32, int8 per group (w = d * q) and per output
+channel — for fp16/bf16 activations (and fp32, computed in IEEE fp32, for the exact path), with
+fp32 accumulation. From DEQUANT_MIN_ROWS rows (16-bit x and y) the prefill form "dequant" writes a
+dequantized copy of W for that call only (4096x4096 in bf16: 32 MiB, freed on return) and hands the
+product to cuBLAS.
 
-Layout (`WQPacked`), built once at load time from the loader's row-major layout:
+Layout (`WQPacked`), built once at load time from the loader's row-major layout: the codes in
+128 x 64 tiles laid out for the tensor-core operand (kernels/wq_tile.py), so a program's plain
+16-byte loads put every code where the MMA reads it — no shared memory, no layout conversion:
 
-    int4  qweight int32 [Kp/8, N]  word (i, n) holds the codes of k = 8i .. 8i+7 of column n,
-                                   code of k = 8i + j in bits 4j .. 4j+3
-    int8  qweight int8  [Kp, N]
-          scales  fp16  [G, N]     (fp32 [1, N] per channel), mins fp16 [G, N] (int4 asymmetric)
+    int4  qweight uint8 [Np/128, Kp/64, 4096]   (two codes a byte)
+    int8  qweight int8  [Np/128, Kp/64, 8192]
+          scales  fp16  [Kp/g, Np] per group (fp32 [1, Np] per channel), mins fp16 [Kp/g, Np]
 
-K-major with N contiguous: a tile of BLOCK_K/8 (int4) or BLOCK_K (int8) rows of BLOCK_N contiguous
-words, so the loads along N coalesce, each packed word is loaded once, and a group's scales are
-one contiguous row.
+(Np, Kp: N and K rounded up to whole tiles and groups; the padding holds zero codes and scales.)
 
-Arithmetic: a K tile never straddles a group (BLOCK_K divides the group size), so the scale factors
-out of the tile's dot product: acc += (x @ u) * d  (+ rowsum(x) * m for the asymmetric layout).
-The codes u (0..15, -8..7, -127..127) are exact in fp16/bf16, so the tensor-core dot multiplies
-the activations by exact integers and only the fp32 accumulation rounds — more accurate than
-dequantizing w to fp16/bf16 first, which rounds every weight (2^-11 / 2^-8 relative). The
-"dequant" prefill form does round each weight once, to x's dtype (per-channel int8 excepted: it
-multiplies by the exact codes and scales y). Measured on N(0, 1) x and weights, K = 256, as rms
-error / rms(y): bf16 3.5e-3 against 1.7e-3 for y's own rounding alone (about what the fused forms
-reach), fp16 2.8e-4 against 2.1e-4 — inside the tests' tolerances (test_dequant_form).
+The product is swapped, y^T = W x^T: a program owns 128 output features and BLOCK_M rows of x
+(16 for decode, all in one tile). Per 64-column tile the codes become fp16/bf16 in registers (two
+per instruction, kernels/wq_tile.py) and one dot multiplies them, exact integers, by x; the group
+scale factors out of the dot and is applied in fp32 once per group:
+acc += (codes @ x^T) * d (+ m * sum(x over the group), for the asymmetric layout) — more accurate
+than dequantizing w to fp16/bf16 first, which rounds every weight (2^-11 / 2^-8 relative). Groups of
+64k columns take whole tiles; other multiples of 32 take each tile as two 32-column halves.
 
-Forms of the K tile (LaunchConfig.form), chosen by `choose_config`:
-- nib (int4, 128-wide groups): 8 dots over k = 8i + j, one per nibble j, each code a shift and a
-  mask of the loaded word, turned into a float by OR-ing it into the mantissa of 128 (bf16) or
-  1024 (fp16) and subtracting that: no [BK, BN] tile is rebuilt through shared memory;
-- dot / swap: the codes unpacked to a [BK, BN] tile (swap: y^T = W x^T, the codes as the register
-  A operand of Hopper's wgmma).
-
-Launch shapes: decode, M <= 16: one row tile, split-K over the grid so that ~4 programs per SM
-stream the weights once, each split writing its fp32 partial sums to its own slice of a workspace
-that one small kernel sums in a fixed order (deterministic) and casts; prefill: tiled GEMM, 64-128
-rows per tile, tiles ordered in groups along M so the weight columns a group reads stay in L2.
+Decode (M <= 16) splits K over the grid so ~2 programs per SM stream the weights once. Each split
+writes its fp32 partial sums to a workspace and takes a ticket; the last split of a column tile
+adds the partials in split order (deterministic: a row's result does not depend on M or on which
+program finished first), writes y and resets its counter for the next call — one launch. The
+config, workspace and counters are kept with the weight per row count, so a call (and a CUDA graph
+replay) reuses them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from lowbit.kernels.int4_mm import int4_dequant_ref
 from lowbit.kernels.int8_mm import int8_dequant_ref
 from lowbit.kernels.triton_import import OutOfResources, check_device, interpreting, tl, triton
+from lowbit.kernels.wq_tile import (
+    TILE_K,
+    TILE_N,
+    TILE_WARPS,
+    load_int4_tile,
+    load_int8_tile,
+    padded,
+    tile_codes,
+    tile_pack_int4,
+    tile_pack_int8,
+)
 
-DECODE_MAX_ROWS = 16  # up to this many rows: the split-K decode launch
+DECODE_MAX_ROWS = 16  # up to this many rows: one row tile, K split over the grid
 DEQUANT_MIN_ROWS = 256  # from this many rows (16-bit x and y): dequantize, then cuBLAS
 
 
 @dataclass
 class WQPacked:
-    qweight: torch.Tensor  # int4: int32 [Kp/8, N]; int8: int8 [Kp, N]
-    scales: torch.Tensor  # fp16 [G, N] per group, or fp32 [1, N] per output channel
-    mins: torch.Tensor | None  # fp16 [G, N] (int4 asymmetric) or None
+    qweight: torch.Tensor  # int4: uint8 [Np/128, Kp/64, 4096]; int8: int8 [Np/128, Kp/64, 8192]
+    scales: torch.Tensor  # fp16 [Kp/g, Np] per group, or fp32 [1, Np] per output channel
+    mins: torch.Tensor | None  # fp16 [Kp/g, Np] (int4 asymmetric) or None
     bits: int  # 4 | 8
     group_size: int  # K per scale; Kp when per channel
-    in_features: int  # K before padding to a whole group
-
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[1]
+    in_features: int  # K
+    out_features: int  # N
+    # per (device, row tile, split count): the fp32 split-K workspace and ticket counters, reused by
+    # every call and captured by CUDA graphs (the counters return to 0 after each call)
+    workspaces: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def padded_in_features(self) -> int:
-        return self.qweight.shape[0] * (8 if self.bits == 4 else 1)
+        return self.qweight.shape[1] * TILE_K
+
+    @property
+    def padded_out_features(self) -> int:
+        return self.qweight.shape[0] * TILE_N
 
     @property
     def per_channel(self) -> bool:
@@ -79,246 +86,188 @@ class WQPacked:
     def to(self, device) -> "WQPacked":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return WQPacked(move(self.qweight), move(self.scales), move(self.mins), self.bits, self.group_size,
-                        self.in_features)
+                        self.in_features, self.out_features)
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int, fill=0) -> torch.Tensor:
+    """t [r, c] → [rows, cols], the new entries `fill`."""
+    if tuple(t.shape) == (rows, cols):
+        return t.contiguous()
+    out = torch.full((rows, cols), fill, dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def _group_rows(scales: torch.Tensor, group_size: int, Kp: int, Np: int) -> torch.Tensor:
+    """[N, G] per-group values → [Kp/g, Np] (g columns a row; the padding's groups 0)."""
+    return _pad(scales.t(), triton.cdiv(Kp, group_size), Np)
 
 
 def wq_pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
                  in_features: int) -> WQPacked:
-    """codes uint8 [N, Kp] (0..15), scales/mins fp16 [N, G] (quant/int4.py's layout) → WQPacked."""
-    N, Kp = codes.shape
-    if Kp % group_size or Kp % 8 or scales.shape != (N, Kp // group_size):
+    """codes uint8 [N, Kg] (0..15, Kg a whole number of groups), scales/mins fp16 [N, Kg/g]
+    (quant/int4.py's layout) → WQPacked."""
+    N, Kg = codes.shape
+    if Kg % group_size or group_size % 32 or scales.shape != (N, Kg // group_size):
         raise ValueError(f"wq_pack_int4: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} "
-                         f"do not form groups of {group_size}")
-    c = codes.t().reshape(Kp // 8, 8, N).to(torch.int64)  # [Kp/8, 8, N]: the 8 codes of one word
-    shifts = (torch.arange(8, dtype=torch.int64, device=codes.device) * 4).view(1, 8, 1)
-    words = (c << shifts).sum(dim=1)  # [Kp/8, N], 0 .. 2^32 - 1
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # same bits, as int32
-    return WQPacked(words.contiguous(), scales.t().half().contiguous(),
-                    None if mins is None else mins.t().half().contiguous(), 4, group_size, in_features)
+                         f"do not form groups of {group_size} (a multiple of 32)")
+    Np, Kp = padded(N, Kg)  # groups of 64k: Kp = Kg; others: Kp/g groups rounded up, the last padding
+    q = tile_pack_int4(_pad(codes, Np, Kp, 8 if mins is None else 0))  # padding: zero weights
+    return WQPacked(q, _group_rows(scales.half(), group_size, Kp, Np),
+                    None if mins is None else _group_rows(mins.half(), group_size, Kp, Np), 4, group_size,
+                    in_features, N)
 
 
 def wq_pack_int8(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> WQPacked:
-    """qweight int8 [N, Kp], scales fp16 [N, G] or fp32 [N, 1] (quant/int8.py's layout) → WQPacked."""
-    N, Kp = qweight.shape
+    """qweight int8 [N, Kg], scales fp16 [N, G] or fp32 [N, 1] (quant/int8.py's layout) → WQPacked."""
+    N, Kg = qweight.shape
     G = scales.shape[1]
-    if scales.shape[0] != N or Kp % G:
+    if scales.shape[0] != N or Kg % G or (G > 1 and (Kg // G) % 32):
         raise ValueError(f"wq_pack_int8: qweight {tuple(qweight.shape)} and scales {tuple(scales.shape)} disagree")
     per_channel = G == 1 and scales.dtype == torch.float32
-    s = scales.t().contiguous() if per_channel else scales.t().half().contiguous()
-    return WQPacked(qweight.t().contiguous(), s, None, 8, Kp // G, in_features)
+    group = Kg if per_channel else Kg // G
+    Np, Kp = padded(N, Kg)
+    q = tile_pack_int8(_pad(qweight, Np, Kp))
+    s = _pad(scales.t().float(), 1, Np) if per_channel else _group_rows(scales.half(), group, Kp, Np)
+    return WQPacked(q, s, None, 8, group, in_features, N)
 
 
 @triton.jit
-def _codes(q_ptr, t, offs_n, n_ok, N, Kp, BITS: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr, TRANS: tl.constexpr):
-    """The integer codes of K tile t, [BK, BN] (TRANS: [BN, BK]); each packed word is loaded once."""
+def _tile(q_ptr, t, BITS: tl.constexpr, HAS_MIN: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """Weight tile t (row block and K tile in one index) → [128, 64] values in DTYPE."""
     if BITS == 4:
-        offs_w = t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # word rows: k = 8i .. 8i+7
-        shifts = tl.arange(0, 8) * 4
-        if TRANS:
-            words = tl.load(q_ptr + offs_w[None, :] * N + offs_n[:, None],
-                            mask=n_ok[:, None] & (offs_w[None, :] < Kp // 8), other=0)  # [BN, BK/8]
-            u = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]
-            u = tl.reshape(u, (BLOCK_N, BLOCK_K))  # [BN, BK]: column 8i + j = nibble j of word i
-        else:
-            words = tl.load(q_ptr + offs_w[:, None] * N + offs_n[None, :],
-                            mask=(offs_w[:, None] < Kp // 8) & n_ok[None, :], other=0)  # [BK/8, BN]
-            u = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]
-            u = tl.reshape(u, (BLOCK_K, BLOCK_N))  # [BK, BN]: row 8i + j = nibble j of word i
-        if not HAS_MIN:
-            u = u - 8
+        v = load_int4_tile(q_ptr, t, not HAS_MIN, DTYPE, ASM)
     else:
-        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        if TRANS:
-            u = tl.load(q_ptr + offs_k[None, :] * N + offs_n[:, None],
-                        mask=n_ok[:, None] & (offs_k[None, :] < Kp), other=0)  # [BN, BK] int8
-        else:
-            u = tl.load(q_ptr + offs_k[:, None] * N + offs_n[None, :],
-                        mask=(offs_k[:, None] < Kp) & n_ok[None, :], other=0)  # [BK, BN] int8
-    return u
+        v = load_int8_tile(q_ptr, t, DTYPE, ASM)
+    return v
 
 
 @triton.jit
-def _nibble_dots(x_ptr, q_ptr, t, offs_m, m_ok, offs_n, n_ok, N, K, Kp, stride_xm, HAS_MIN: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                 SWAP: tl.constexpr, INTERP: tl.constexpr):
-    """int4 K tile t as 8 dots, one per nibble j over k = 8i + j (the sum over k in another order):
-    every code is a shift and a mask of the loaded word in the word's own register layout, so no
-    [BK, BN] tile is rebuilt through shared memory. For 16-bit x the code c becomes a float by OR-ing
-    its bits into the mantissa of 128 (bf16 0x4300) or 1024 (fp16 0x6400) and subtracting that
-    (and 8 more for symmetric codes) in x's dtype: exact, two instructions per pair of codes.
-    Returns x @ codes in fp32 ([BM, BN], SWAP: [BN, BM])."""
-    BK8: tl.constexpr = BLOCK_K // 8
-    BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-    offs_i = t * BLOCK_K + 8 * tl.arange(0, BK8)  # k of nibble 0 of each word row
-    w_i = t * BK8 + tl.arange(0, BK8)
-    if SWAP:
-        words = tl.load(q_ptr + w_i[None, :] * N + offs_n[:, None], mask=n_ok[:, None] & (w_i[None, :] < Kp // 8),
-                        other=0)  # [BN, BK/8]
-        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        words = tl.load(q_ptr + w_i[:, None] * N + offs_n[None, :], mask=(w_i[:, None] < Kp // 8) & n_ok[None, :],
-                        other=0)  # [BK/8, BN]
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in tl.static_range(8):
-        if SWAP:
-            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + (offs_i + j)[:, None],
-                        mask=m_ok[None, :] & ((offs_i + j) < K)[:, None], other=0.0)  # [BK/8, BM] = x[:, 8i + j]^T
-        else:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (offs_i + j)[None, :],
-                        mask=m_ok[:, None] & ((offs_i + j) < K)[None, :], other=0.0)  # [BM, BK/8] = x[:, 8i + j]
-        c = (words >> (4 * j)) & 0xF
-        if IEEE:
-            c = c.to(tl.float32) - (0.0 if HAS_MIN else 8.0)
-        elif BF16 and INTERP:  # the interpreter keeps bf16 as raw uint16 bits: no bf16 arithmetic there
-            c = (c.to(tl.float32) - (0.0 if HAS_MIN else 8.0)).to(tl.bfloat16)
-        elif BF16:
-            c = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 if HAS_MIN else 136.0)
-        else:
-            c = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 if HAS_MIN else 1032.0)
-        if SWAP:
-            part += tl.dot(c, x, input_precision="ieee" if IEEE else None)
-        else:
-            part += tl.dot(x, c, input_precision="ieee" if IEEE else None)
-    return part
+def _x_tile(x_ptr, k0, offs_m, m_ok, K, stride_xm, ROWS: tl.constexpr, DTYPE: tl.constexpr):
+    """x^T [ROWS, BM] for columns k0 .. k0 + ROWS - 1 (0 past K and past M)."""
+    offs_k = k0 + tl.arange(0, ROWS)
+    x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & (offs_k[:, None] < K),
+                other=0.0, eviction_policy="evict_last")
+    return x.to(DTYPE)
 
 
 @triton.jit
-def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, Kp, stride_xm, stride_ym, stride_ys,
-                  BITS: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, FORM: tl.constexpr,
-                  INTERP: tl.constexpr):
-    # Tile order: GROUP_M row tiles sweep the same column tiles before moving on (L2 reuse).
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * n_n
-    first_m = (pid // per_group) * GROUP_M
-    rows = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows
-    pid_n = (pid % per_group) // rows
-
+def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, NP, KT, stride_xm, stride_ym,
+                  stride_xs, BITS: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
+                  IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    DTYPE: tl.constexpr = tl.float32 if IEEE else x_ptr.dtype.element_ty
+    PREC: tl.constexpr = "ieee" if IEEE else None
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * 128 + tl.arange(0, 128)
     m_ok = offs_m < M
-    n_ok = offs_n < N
-    SWAP: tl.constexpr = FORM == 1 or FORM == 4  # y^T = W x^T: the codes are the dot's register operand A
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # K tiles of this program: pid_k, pid_k + SPLIT_K, ... (each tile lies inside one group)
-    for t in range(tl.program_id(1), tl.cdiv(Kp, BLOCK_K), SPLIT_K):
-        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        if FORM >= 3:
-            part = _nibble_dots(x_ptr, q_ptr, t, offs_m, m_ok, offs_n, n_ok, N, K, Kp, stride_xm,
-                                HAS_MIN, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, SWAP, INTERP)
-            if HAS_MIN:  # one contiguous reload of the tile (L1) for its row sums
-                if SWAP:
-                    xsum = tl.sum(tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                                          mask=m_ok[None, :] & (offs_k[:, None] < K), other=0.0).to(tl.float32),
-                                  axis=0)[None, :]  # [1, BM]
-                else:
-                    xsum = tl.sum(tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                                          mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32),
-                                  axis=1)[:, None]  # [BM, 1]
-        elif SWAP:
-            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                        mask=m_ok[None, :] & (offs_k[:, None] < K), other=0.0)  # [BK, BM] = x^T
-            u = _codes(q_ptr, t, offs_n, n_ok, N, Kp, BITS, HAS_MIN, BLOCK_N, BLOCK_K, True)  # [BN, BK]
-            xsum = tl.sum(x.to(tl.float32), axis=0)[None, :]  # [1, BM]
-        else:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # [BM, BK]
-            xsum = tl.sum(x.to(tl.float32), axis=1)[:, None]  # [BM, 1]
-            u = _codes(q_ptr, t, offs_n, n_ok, N, Kp, BITS, HAS_MIN, BLOCK_N, BLOCK_K, False)  # [BK, BN]
-        # The codes (|u| <= 127) are exact in fp16/bf16/fp32, so only the fp32 accumulation rounds.
-        if FORM >= 3:
-            pass
-        elif SWAP:
-            u = u.to(tl.float32).to(x.dtype)  # via fp32: Triton's interpreter casts int -> bf16 wrongly
-            if IEEE:
-                part = tl.dot(u, x, input_precision="ieee")  # [BN, BM]
-            else:
-                part = tl.dot(u, x)
-        else:
-            u = u.to(tl.float32).to(x.dtype)
-            if IEEE:
-                part = tl.dot(x, u, input_precision="ieee")  # [BM, BN]
-            else:
-                part = tl.dot(x, u)
-        if PER_CHANNEL:
-            acc += part
-        else:
-            g = (t * BLOCK_K) // GROUP
-            d = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
-            dd = d[:, None] if SWAP else d[None, :]
-            acc += part * dd
-            if HAS_MIN:
-                mn = tl.load(m_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
-                acc += xsum * (mn[:, None] if SWAP else mn[None, :])
+    # a chunk: one group of 64k columns (its tiles summed before the scale), else one tile
+    WHOLE: tl.constexpr = PER_CHANNEL or GROUP % 64 == 0
+    TPC: tl.constexpr = GROUP // 64 if (WHOLE and not PER_CHANNEL) else 1  # tiles per chunk
+    n_chunks = tl.cdiv(tl.cdiv(K, 64), TPC)
+    per_split = tl.cdiv(n_chunks, SPLIT_K)
+    acc = tl.zeros((128, BLOCK_M), dtype=tl.float32)  # y^T tile
+    for c in range(pid_s * per_split, tl.minimum((pid_s + 1) * per_split, n_chunks)):
+        if PER_CHANNEL:  # one scale per row, applied at the end
+            acc = tl.dot(_tile(q_ptr, pid_n * KT + c, BITS, HAS_MIN, DTYPE, ASM),
+                         _x_tile(x_ptr, c * 64, offs_m, m_ok, K, stride_xm, 64, DTYPE), acc, input_precision=PREC)
+        elif WHOLE:
+            part = tl.zeros((128, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(TPC):
+                t = c * TPC + s
+                x = _x_tile(x_ptr, t * 64, offs_m, m_ok, K, stride_xm, 64, DTYPE)  # [64, BM]
+                part = tl.dot(_tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM), x, part,
+                              input_precision=PREC)
+            acc += part * tl.load(s_ptr + c * NP + offs_n).to(tl.float32)[:, None]
+        else:  # groups of 32 (or an odd multiple): each half of the tile scaled by its own group
+            a = _tile(q_ptr, pid_n * KT + c, BITS, HAS_MIN, DTYPE, ASM)
+            a0, a1 = a.reshape(128, 2, 32).trans(0, 2, 1).split()  # k 0..31 and 32..63: a register split
+            x0 = _x_tile(x_ptr, c * 64, offs_m, m_ok, K, stride_xm, 32, DTYPE)
+            x1 = _x_tile(x_ptr, c * 64 + 32, offs_m, m_ok, K, stride_xm, 32, DTYPE)
+            g0 = (c * 64) // GROUP
+            g1 = (c * 64 + 32) // GROUP
+            acc += tl.dot(a0, x0, input_precision=PREC) * tl.load(s_ptr + g0 * NP + offs_n).to(tl.float32)[:, None]
+            acc += tl.dot(a1, x1, input_precision=PREC) * tl.load(s_ptr + g1 * NP + offs_n).to(tl.float32)[:, None]
+    if HAS_MIN:
+        # the mins' term, sum over this split's groups g of m[n, g] * xs[g, m] (xs: x summed over
+        # each group, once per call), as dots over 16 groups at a time: the fp16 mins are exact in
+        # tf32 and the fp32 sums are split in three (tf32x3), so it stays fp32-accurate
+        # each group belongs to the split holding its first column
+        g_lo = tl.cdiv(pid_s * per_split * TPC * 64, GROUP)
+        g_hi = tl.minimum(tl.cdiv(tl.minimum((pid_s + 1) * per_split, n_chunks) * TPC * 64, GROUP), tl.cdiv(K, GROUP))
+        for g0 in range(g_lo, g_hi, 16):
+            gs = g0 + tl.arange(0, 16)
+            g_ok = gs < g_hi
+            mn = tl.load(m_ptr + gs[None, :] * NP + offs_n[:, None], mask=g_ok[None, :], other=0.0)  # [128, 16]
+            xs = tl.load(xs_ptr + offs_m[None, :] * stride_xs + gs[:, None], mask=g_ok[:, None] & m_ok[None, :],
+                         other=0.0)  # [16, BM] fp32
+            acc = tl.dot(mn.to(tl.float32), xs, acc, input_precision="ieee" if IEEE else "tf32x3")
     if PER_CHANNEL:
-        d = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)  # fp32 [BN]
-        acc = acc * (d[:, None] if SWAP else d[None, :])
-    # SPLIT_K > 1: y is an fp32 workspace [SPLIT_K, M, N], one slice per split, summed by _wq_reduce_kernel
-    y_ptr += tl.program_id(1) * stride_ys
-    if SWAP:
-        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[None, :] & n_ok[:, None])
+        acc = acc * tl.load(s_ptr + offs_n)[:, None]  # fp32 [128]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    y_ok = m_ok[None, :] & (offs_n < N)[:, None]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
     else:
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        # workspace fp32 [SPLIT_K, grid_m * BM, NP]: this split's partial, then a ticket; the last of
+        # the tile's splits sums them in split order
+        MP = tl.num_programs(1) * BLOCK_M
+        tile_ws = ws_ptr + offs_m[None, :] * NP + offs_n[:, None]
+        tl.store(tile_ws + pid_s * MP * NP, acc)
+        tl.debug_barrier()  # every thread's partial stored before the ticket is taken
+        ticket = tl.atomic_add(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            total = tl.load(tile_ws, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(tile_ws + s * MP * NP, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_ok)
+            tl.atomic_xchg(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 0)  # ready for the next call
 
 
 @triton.jit
-def _wq_reduce_kernel(ws_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """y = sum of the SPLIT_K fp32 partial sums in a fixed order (deterministic, unlike atomics),
-    cast to y's dtype: one small kernel in place of a zero-fill, atomics and a cast."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+def _xsum_kernel(x_ptr, xs_ptr, K, G, stride_xm, stride_xs, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+    """xs[m, g] = the sum of x[m, k] over group g (fp32, in one fixed order: a row's sums do not
+    depend on how many rows there are)."""
+    m = tl.program_id(0)
+    gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    k = gs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_G, GROUP]
+    x = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+    tl.store(xs_ptr + m * stride_xs + gs, tl.sum(x, axis=1), mask=gs < G)
 
 
 @triton.jit
-def _wq_dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, N, Kp, BITS: tl.constexpr, HAS_MIN: tl.constexpr,
-                       PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    """W^T [Kp, N] in w's dtype for the prefill path: d * u (+ m) in fp32, rounded once; per channel
-    the bare codes (exact), whose scale the caller applies to y."""
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-    u = _codes(q_ptr, t, offs_n, n_ok, N, Kp, BITS, HAS_MIN, BLOCK_N, BLOCK_K, False).to(tl.float32)  # [BK, BN]
+def _wq_dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, NP, KT, BITS: tl.constexpr, HAS_MIN: tl.constexpr,
+                       PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
+    """W^T [Kp, Np] in w's dtype for the prefill path: d * u (+ m) in fp32, rounded once; per channel
+    the bare codes (exact), whose scale the caller applies to y. One program per tile."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    DTYPE: tl.constexpr = w_ptr.dtype.element_ty
+    offs_n = pid_n * 128 + tl.arange(0, 128)
+    offs_k = t * 64 + tl.arange(0, 64)
+    u = _tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM).to(tl.float32)  # [128, 64], exact codes
     if not PER_CHANNEL:
-        g = (t * BLOCK_K) // GROUP
-        u = u * tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        g = (offs_k // GROUP)[None, :]
+        u = u * tl.load(s_ptr + g * NP + offs_n[:, None]).to(tl.float32)
         if HAS_MIN:
-            u = u + tl.load(m_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(w_ptr + offs_k[:, None] * N + offs_n[None, :], u.to(w_ptr.dtype.element_ty),
-             mask=(offs_k[:, None] < Kp) & n_ok[None, :])
+            u = u + tl.load(m_ptr + g * NP + offs_n[:, None]).to(tl.float32)
+    tl.store(w_ptr + offs_k[None, :] * NP + offs_n[:, None], u.to(DTYPE))
 
 
-FORMS = ("dot", "swap", "dequant", "nib", "nibswap")  # index = the kernel's FORM (swap 1, nib forms >= 3)
+FORMS = ("mma", "dequant")
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-    # how a tile is computed: "dot" y = x @ codes; "swap" y^T = codes^T @ x^T (the codes stay in
-    # registers as the tensor-core A operand); "dequant" a W^T copy in x's dtype, then torch.matmul
-    # (cuBLAS); "nib" / "nibswap" 8 dots per K tile, one per nibble (int4, BLOCK_K a multiple of 128)
-    form: str = "dot"
+    block_m: int  # rows of x per program
+    split_k: int = 1  # programs along K (decode)
+    num_stages: int = 1  # software pipelining of the K loop (1: direct loads, no shared-memory staging)
+    form: str = "mma"  # "mma": the tiled kernel above; "dequant": a W^T copy in x's dtype, then cuBLAS
+    block_n: int = TILE_N  # output features per program: the tile's (fixed)
+    num_warps: int = TILE_WARPS  # the tile's operand layout is a 4-warp one (fixed)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -333,26 +282,19 @@ def _smem_limit(device: torch.device) -> int | None:
 
 
 def smem_estimate(cfg: LaunchConfig, x_bytes: int, bits: int) -> int:
-    """Bytes of shared memory a launch needs, on the safe side: each pipeline stage holds the x tile
-    and the packed weight tile, plus one [BK, BN] operand in x's dtype and an fp32 [BM, BN] epilogue
-    tile."""
-    x_tile = cfg.block_m * cfg.block_k * x_bytes
-    operand = cfg.block_k * cfg.block_n * x_bytes
+    """Bytes of shared memory a launch needs, on the safe side: the x^T operand tiles of one chunk
+    (wgmma reads its B operand from shared memory) per pipeline stage, two chunks of weight tiles
+    when pipelined, and the fp32 epilogue tile. The weights themselves stay in registers."""
     if cfg.form == "dequant":
         return 0
-    stage = x_tile + cfg.block_k * cfg.block_n * bits // 8
-    return cfg.num_stages * stage + operand + cfg.block_m * cfg.block_n * 4
+    stage = 2 * TILE_K * cfg.block_m * x_bytes + (2 * TILE_N * TILE_K * bits // 8 if cfg.num_stages > 1 else 0)
+    return cfg.num_stages * stage + TILE_N * cfg.block_m * 4
 
 
 def shrink(cfg: LaunchConfig) -> LaunchConfig | None:
-    """The next smaller config: fewer stages down to 2, then narrower N tiles down to 64, then one
-    stage, then shorter M tiles; None when nothing is left to give."""
-    if cfg.num_stages > 2:
-        return replace(cfg, num_stages=cfg.num_stages - 1)
-    if cfg.block_n > 64:
-        return replace(cfg, block_n=cfg.block_n // 2)
+    """The next smaller config: fewer stages, then shorter row tiles; None when nothing is left."""
     if cfg.num_stages > 1:
-        return replace(cfg, num_stages=1)
+        return replace(cfg, num_stages=cfg.num_stages - 1)
     if cfg.block_m > 16:
         return replace(cfg, block_m=cfg.block_m // 2)
     return None
@@ -360,38 +302,32 @@ def shrink(cfg: LaunchConfig) -> LaunchConfig | None:
 
 def choose_config(M: int, w: WQPacked, device: torch.device, x_dtype: torch.dtype = torch.float16,
                   out_dtype: torch.dtype | None = None) -> LaunchConfig:
-    """Tile shapes and form by problem shape (form choice from sm_90 SASS of one 128x64 int4 tile per
-    program, bf16, instructions in the loop per packed int32 word: dot 59, swap 66,
-    nib 46 (symmetric) / 59 (with mins); streaming 4.8 TB/s over 132 SMs leaves ~28). Decode: nib for
-    128-wide groups, dot for narrower ones, split-K so the grid holds ~4 programs of 64 columns per SM.
-    (A CUDA-core "gemv" form was tried and dropped: wrong on the H200, right under the interpreter.) Prefill: 64- or 128-row tiles; from DEQUANT_MIN_ROWS rows (16-bit x and y) the
-    dequantize-then-cuBLAS form. Then shrunk until `smem_estimate` fits the device's shared memory."""
-    N, Kp = w.out_features, w.padded_in_features
-    bk = w.group_size if not w.per_channel else 128
-    k_tiles = triton.cdiv(Kp, bk)
+    """Decode (M <= 16): one 16-row tile, K split so that the grid holds ~2 programs per SM (4096x4096
+    int4-g128 on 132 SMs: 32 column tiles x 8 splits, 32 KB of weights a program), direct loads
+    (sm_90 SASS of the loop, int4-g128 fp16: 14 instructions per packed word with one stage, 20 with
+    two, whose cp.async staging goes through shared memory). The split depends only on the weight's
+    shape and the device, never on M, so a row's result is the same at every M <= 16. Prefill: 64-row
+    tiles; from DEQUANT_MIN_ROWS rows (16-bit x and y) the dequantize-then-cuBLAS form."""
     sixteen_bit = x_dtype != torch.float32 and (out_dtype or x_dtype) == x_dtype
     if M <= DECODE_MAX_ROWS:
-        # H200 sweep, int4-g128 4096x4096 (Triton 3.6, bf16, explicit configs): M = 1 best nib bn64
-        # split 8 w8 0.041 ms (w4: 0.095); M = 16 best nib bn128 split 8 0.038 ms (bn64: 0.115)
-        if w.bits == 4 and bk % 128 == 0:
-            bm, bn, form = 16, 64 if M == 1 else 128, "nib"  # 8 dots of K = bk/8 >= 16
-        else:
-            bm, bn, form = 16, 64, "dot"
-        tiles = triton.cdiv(N, bn)
-        per_sm = 4 if bn == 64 else 2  # the same weight bytes per program either way
-        split = max(1, min(k_tiles, (per_sm * _sm_count(device)) // tiles))
-        cfg = LaunchConfig(bm, bn, bk, split, 1, 8 if form == "nib" else 4, 3, form)
+        tiles = w.padded_out_features // TILE_N
+        per_chunk = w.group_size // TILE_K if (w.group_size % TILE_K == 0 and not w.per_channel) else 1
+        chunks = triton.cdiv(triton.cdiv(w.in_features, TILE_K), per_chunk)
+        split = max(1, min(chunks, (2 * _sm_count(device)) // tiles))
+        cfg = LaunchConfig(16, split)
     elif M >= DEQUANT_MIN_ROWS and sixteen_bit:
-        cfg = LaunchConfig(16, 128, bk, 1, 1, 4, 1, "dequant")
-    elif M <= 128:
-        cfg = LaunchConfig(64, 128, bk, 1, 8, 4, 3, "dot")  # sm_90: 255 registers, no spill to speak of
+        cfg = LaunchConfig(16, form="dequant")
     else:
-        cfg = LaunchConfig(128, 128, bk, 1, 8, 8, 3, "swap")  # "dot" spills at 128x128 with 8 warps
+        cfg = LaunchConfig(64)
     limit = _smem_limit(device)
-    x_bytes = x_dtype.itemsize
-    while limit is not None and smem_estimate(cfg, x_bytes, w.bits) > limit and (smaller := shrink(cfg)):
+    while limit is not None and smem_estimate(cfg, x_dtype.itemsize, w.bits) > limit and (smaller := shrink(cfg)):
         cfg = smaller
     return cfg
+
+
+def _use_asm(x: torch.Tensor) -> bool:
+    """The PTX decode: compiled for an NVIDIA GPU with 16-bit activations."""
+    return x.device.type == "cuda" and torch.version.hip is None and not interpreting() and x.dtype != torch.float32
 
 
 def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
@@ -413,11 +349,9 @@ def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
     cfg = config or choose_config(M, w, x.device, x.dtype, out_dtype)
     if cfg.form not in FORMS:
         raise ValueError(f"wq_mm: unknown form {cfg.form!r}, expected one of {FORMS}")
-    if cfg.form.startswith("nib") and (w.bits != 4 or cfg.block_k % 128):
-        raise ValueError(f"wq_mm: the {cfg.form} form needs int4 weights and BLOCK_K a multiple of 128 "
-                         f"(8 dots of K >= 16), got {w.bits}-bit, BLOCK_K={cfg.block_k}")
-    if not w.per_channel and w.group_size % cfg.block_k:
-        raise ValueError(f"wq_mm: BLOCK_K={cfg.block_k} must divide the group size {w.group_size}")
+    if (cfg.block_n, cfg.num_warps) != (TILE_N, TILE_WARPS) or cfg.block_m < 16 or cfg.split_k < 1:
+        raise ValueError(f"wq_mm: a program covers one {TILE_N}-row tile with {TILE_WARPS} warps and at least "
+                         f"16 rows of x, got {cfg}")
     y = torch.empty((M, N), device=x.device, dtype=out_dtype)
     if M == 0:
         return y
@@ -433,31 +367,45 @@ def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
     return y
 
 
+def _workspace(w: WQPacked, device: torch.device, grid_m: int, cfg: LaunchConfig):
+    """The split-K workspace fp32 [split, grid_m * BM, Np] and zeroed int32 counters [grid_m, tiles],
+    made once per (device, row tiles, split) and kept with the weight."""
+    key = (device, grid_m, cfg.block_m, cfg.split_k)
+    if key not in w.workspaces:
+        tiles = w.padded_out_features // TILE_N
+        w.workspaces[key] = (
+            torch.empty((cfg.split_k, grid_m * cfg.block_m, w.padded_out_features), device=device,
+                        dtype=torch.float32),
+            torch.zeros(grid_m * tiles, device=device, dtype=torch.int32))
+    return w.workspaces[key]
+
+
 def _launch(x: torch.Tensor, w: WQPacked, y: torch.Tensor, cfg: LaunchConfig) -> None:
-    M, N = x.shape[0], w.out_features
+    M = x.shape[0]
+    NP, KT = w.padded_out_features, w.qweight.shape[1]
     tune = {} if interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    mins = w.scales if w.mins is None else w.mins
+    common = dict(BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
+                  ASM=_use_asm(x))
     if cfg.form == "dequant":
-        # prefill: a per-call W^T copy [Kp, N] in x's dtype (4096x4096 bf16: 32 MiB, freed on return)
-        wt = torch.empty((w.padded_in_features, N), device=x.device, dtype=x.dtype)
-        _wq_dequant_kernel[(triton.cdiv(wt.shape[0], cfg.block_k), triton.cdiv(N, cfg.block_n))](
-            w.qweight, w.scales, w.scales if w.mins is None else w.mins, wt, N, wt.shape[0],
-            BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **tune)
-        out = torch.matmul(x, wt[:w.in_features])  # cuBLAS, fp32 accumulation
-        y.copy_(out if not w.per_channel else out * w.scales)  # per channel: y = (x @ q^T) * s
+        # prefill: a per-call W^T copy [Kp, Np] in x's dtype (4096x4096 bf16: 32 MiB, freed on return)
+        wt = torch.empty((w.padded_in_features, NP), device=x.device, dtype=x.dtype)
+        _wq_dequant_kernel[(w.qweight.shape[0], KT)](w.qweight, w.scales, mins, wt, NP, KT, **common, **tune)
+        out = torch.matmul(x, wt[: w.in_features, : w.out_features])  # cuBLAS, fp32 accumulation
+        y.copy_(out if not w.per_channel else out * w.scales[0, : w.out_features])  # per channel: y = (x @ q^T) * s
         return
-    # split-K: each split writes its fp32 partial sums to its own slice, then one reduction kernel
-    ws = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
+    grid = (NP // TILE_N, triton.cdiv(M, cfg.block_m), cfg.split_k)
+    ws, counters = _workspace(w, x.device, grid[1], cfg) if cfg.split_k > 1 else (y, y)
+    xs = y
+    if w.mins is not None:  # x summed per group, for the mins' term
+        G = triton.cdiv(w.in_features, w.group_size)
+        xs = torch.empty((M, G), device=x.device, dtype=torch.float32)
+        _xsum_kernel[(M, triton.cdiv(G, 32))](x, xs, w.in_features, G, x.stride(0), G, GROUP=w.group_size,
+                                               BLOCK_G=32)
     _wq_mm_kernel[grid](
-        x, w.qweight, w.scales, w.scales if w.mins is None else w.mins, ws,
-        M, N, w.in_features, w.padded_in_features, x.stride(0), N if cfg.split_k > 1 else y.stride(0), M * N,
-        BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        GROUP_M=cfg.group_m, IEEE=x.dtype == torch.float32, FORM=FORMS.index(cfg.form), INTERP=interpreting(),
-        **tune)
-    if cfg.split_k > 1:
-        _wq_reduce_kernel[(triton.cdiv(M * N, 1024),)](ws, y, M * N, SPLIT_K=cfg.split_k, BLOCK=1024)
+        x, w.qweight, w.scales, mins, xs, y, ws, counters, M, w.out_features, w.in_features, NP, KT,
+        x.stride(0), y.stride(0), xs.stride(0), BLOCK_M=cfg.block_m, SPLIT_K=cfg.split_k,
+        IEEE=x.dtype == torch.float32, **common, **tune)
 
 
 def wq_dequant_ref(w: WQPacked, cols: torch.Tensor | None = None) -> torch.Tensor:
@@ -465,14 +413,15 @@ def wq_dequant_ref(w: WQPacked, cols: torch.Tensor | None = None) -> torch.Tenso
     layouts' own dequantization (kernels/int4_mm.py, kernels/int8_mm.py), so both describe one set
     of weights."""
     K = w.in_features
-    pick = (lambda t: t) if cols is None else (lambda t: t[:, cols])  # noqa: E731
+    rows = torch.arange(w.out_features, device=w.qweight.device) if cols is None else cols.to(w.qweight.device)
+    codes = tile_codes(w.qweight, rows)  # [n, Kp]
+    groups = w.scales.shape[0]
+    Kg = groups * w.group_size if not w.per_channel else codes.shape[1]
+    codes = _pad(codes, codes.shape[0], Kg, 8 if (w.bits == 4 and w.mins is None) else 0)[:, :Kg]
+    pick = lambda t: t[:, rows].t()  # noqa: E731  [n, G]
     if w.bits == 4:
-        words = pick(w.qweight).to(torch.int64) & 0xFFFFFFFF  # [Kp/8, n]
-        shifts = (torch.arange(8, device=words.device) * 4).view(1, 8, 1)
-        codes = ((words[:, None, :] >> shifts) & 0xF).reshape(-1, words.shape[1])  # [Kp, n] via [Kp/8, 8, n]
-        return int4_dequant_ref(codes.t().contiguous(), pick(w.scales).t(),
-                                None if w.mins is None else pick(w.mins).t(), w.group_size)[:, :K]
-    return int8_dequant_ref(pick(w.qweight).t().contiguous(), pick(w.scales).t())[:, :K]
+        return int4_dequant_ref(codes, pick(w.scales), None if w.mins is None else pick(w.mins), w.group_size)[:, :K]
+    return int8_dequant_ref(codes, pick(w.scales))[:, :K]
 
 
 def wq_rows(w: WQPacked, ids: torch.Tensor) -> torch.Tensor:

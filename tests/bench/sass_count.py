@@ -85,23 +85,28 @@ def main_loop(sass: str) -> list[str]:
 
 
 def compile_config(w, cfg, x_dtype: torch.dtype, arch: int):
-    """The decode kernel for this weight and launch config, compiled for sm_<arch> → (sass, ttgir)."""
+    """The decode kernel for this weight and launch config, compiled for sm_<arch> → (sass, ttgir).
+    Pointers and the integer arguments a real launch passes as multiples of 16 (the shapes and
+    strides of a 4096x4096 weight) are marked so, as Triton's launcher specializes them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from lowbit.kernels.wq_mm import FORMS, _wq_mm_kernel
+    from lowbit.kernels.wq_mm import _wq_mm_kernel
 
     tname = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
-    qt = "*i32" if w.bits == 4 else "*i8"
+    qt = "*u8" if w.bits == 4 else "*i8"
     st = "*fp32" if w.per_channel else "*fp16"
-    sig = {"x_ptr": tname[x_dtype], "q_ptr": qt, "s_ptr": st, "m_ptr": st, "y_ptr": "*fp32", "M": "i32", "N": "i32",
-           "K": "i32", "Kp": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_ys": "i32"}
+    sig = {"x_ptr": tname[x_dtype], "q_ptr": qt, "s_ptr": st, "m_ptr": st, "xs_ptr": "*fp32", "y_ptr": tname[x_dtype],
+           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NP": "i32", "KT": "i32",
+           "stride_xm": "i32", "stride_ym": "i32", "stride_xs": "i32"}
     const = dict(BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
-                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                 GROUP_M=cfg.group_m, IEEE=x_dtype == torch.float32, FORM=FORMS.index(cfg.form), INTERP=False)
+                 BLOCK_M=cfg.block_m, SPLIT_K=cfg.split_k, ASM=x_dtype != torch.float32,
+                 IEEE=x_dtype == torch.float32)
+    sixteen = [n for n, t in sig.items() if t.startswith("*")] + ["N", "K", "NP", "KT", "stride_xm", "stride_ym", "stride_xs"]
+    attrs = {(_wq_mm_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in sixteen}
     sig.update({k: "constexpr" for k in const})
-    src = ASTSource(_wq_mm_kernel, sig, constexprs=const)
+    src = ASTSource(_wq_mm_kernel, sig, constexprs=const, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
@@ -122,13 +127,44 @@ def weight(layout: str, N: int, K: int):
     return wq_pack_int8(w.qweight, w.scales, w.in_features)
 
 
+def loop_body(ttgir: str) -> list[str]:
+    """The TTGIR lines inside the kernel's (first, outermost) K loop."""
+    lines = ttgir.splitlines()
+    start = next((i for i, line in enumerate(lines) if "scf.for" in line), None)
+    if start is None:
+        return []
+    depth, body = 0, []
+    for line in lines[start:]:
+        depth += line.count("{") - line.count("}")
+        body.append(line)
+        if depth <= 0 and len(body) > 1:
+            break
+    return body
+
+
+def weight_round_trips(ttgir: str) -> int:
+    """Shared-memory staging or layout conversions of weight tensors in the loop: local_alloc /
+    local_load / async copies / convert_layout on the packed bytes (i8) or on a 2-D tile of 128
+    weight rows (x's tiles have 64 or 32 rows; the 128 per-row scales of a group, 1-D, are not
+    weights)."""
+    ops = ("ttg.local_alloc", "ttg.local_load", "ttg.async_copy_global_to_local", "ttg.convert_layout")
+    return sum(1 for line in loop_body(ttgir) if any(op in line for op in ops)
+               and ("xi8" in line or re.search(r"tensor<128x\d+x", line)))
+
+
+def tiles_per_iteration(w) -> int:
+    """64-column weight tiles one pass of the kernel's K loop reads (a group of 64k columns: its
+    tiles; otherwise one)."""
+    return w.group_size // 64 if (not w.per_channel and w.group_size % 64 == 0) else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (default 90: H100/H200)")
-    ap.add_argument("--layouts", default="int4-g128,int4-sym-g128,int4-g32,int8-g32,int8")
+    ap.add_argument("--layouts", default="int4-g128,int4-sym-g128,int4-g32,int4-sym-g32,int8-g32,int8")
     ap.add_argument("--rows", default="1,16", help="decode row counts M (each picks its config)")
     ap.add_argument("--shape", default="4096x4096", help="N x K the configs are chosen for")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    ap.add_argument("--dtypes", default="float16,bfloat16", help="activation dtypes (float16, bfloat16)")
     # Triton 3.9 warns unless this is set; 1 is its current default (FMA contraction on). The kernels
     # are compiled, never interpreted, whatever TRITON_INTERPRET the caller has (the tests set it).
     import os
@@ -136,30 +172,31 @@ def main() -> int:
     os.environ["TRITON_INTERPRET"] = "0"
     args = ap.parse_args()
     from lowbit.kernels import wq_mm
+    from lowbit.kernels.wq_tile import TILE_K, TILE_N
 
     # the H200's: 132 SMs, 227 KiB of shared memory per block (choose_config asks the device)
     wq_mm._sm_count = lambda device: 132
     wq_mm._smem_limit = lambda device: 232448
     N, K = (int(v) for v in args.shape.split("x"))
-    x_dtype = getattr(torch, args.dtype)
     for layout in args.layouts.split(","):
         w = weight(layout, N, K)
-        for M in (int(m) for m in args.rows.split(",")):
-            cfg = wq_mm.choose_config(M, w, torch.device("cuda"), x_dtype)
-            sass, ttgir = compile_config(w, cfg, x_dtype, args.arch)
-            loop = main_loop(sass)
-            words = cfg.block_k * cfg.block_n * w.bits // 32
-            threads = 32 * cfg.num_warps
-            per_word = len(loop) * threads / words
-            by = Counter(classify(op) for op in loop)
-            classes = ", ".join(f"{name} {by[name] * threads / words:.1f}" for name, _ in CLASSES if by[name])
-            other = by["other"] * threads / words
-            smem = by["shared"]
-            allocs = len(re.findall(r"ttg\.local_alloc", ttgir)) + len(re.findall(r"ttg\.convert_layout", ttgir))
-            print(f"{layout} M={M} form={cfg.form} tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} warps "
-                  f"{cfg.num_warps} split {cfg.split_k}: loop {len(loop)} instructions/thread, {words} words/iteration "
-                  f"-> {per_word:.1f} instructions per packed word ({classes}, other {other:.1f}); "
-                  f"shared-memory ops in the loop {smem}, TTGIR local_alloc/convert_layout {allocs}", flush=True)
+        for dtype in args.dtypes.split(","):
+            x_dtype = getattr(torch, dtype)
+            for M in (int(m) for m in args.rows.split(",")):
+                cfg = wq_mm.choose_config(M, w, torch.device("cuda"), x_dtype)
+                sass, ttgir = compile_config(w, cfg, x_dtype, args.arch)
+                loop = main_loop(sass)
+                words = tiles_per_iteration(w) * TILE_N * TILE_K * w.bits // 32
+                threads = 32 * cfg.num_warps
+                per_word = len(loop) * threads / words
+                by = Counter(classify(op) for op in loop)
+                classes = ", ".join(f"{name} {by[name] * threads / words:.1f}" for name, _ in CLASSES if by[name])
+                other = by["other"] * threads / words
+                print(f"{layout} {dtype} M={M} form={cfg.form} tile {cfg.block_m}x{cfg.block_n}x{TILE_K} warps "
+                      f"{cfg.num_warps} split {cfg.split_k} stages {cfg.num_stages}: loop {len(loop)} instructions/thread, "
+                      f"{words} words/iteration -> {per_word:.1f} instructions per packed word ({classes}, other "
+                      f"{other:.1f}); shared-memory ops in the loop {by['shared']}, weight round trips through "
+                      f"shared memory or layout conversions {weight_round_trips(ttgir)}", flush=True)
     return 0
 
 
