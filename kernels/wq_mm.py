@@ -11,8 +11,8 @@ Layout (`WQPacked`), built once at load time from the loader's row-major layout:
 128 x 64 tiles laid out for the tensor-core operand (kernels/wq_tile.py), so a program's plain
 16-byte loads put every code where the MMA reads it — no shared memory, no layout conversion:
 
-    int4  qweight uint8 [Np/128, Kp/64, 4096]   (two codes a byte)
-    int8  qweight int8  [Np/128, Kp/64, 8192]
+    int4  qweight uint8 [Np/128, Kp/tk, 64 tk]   (two codes a byte; tk = 64, or 32 for groups of 32)
+    int8  qweight int8  [Np/128, Kp/tk, 128 tk]
           scales  fp16  [Kp/g, Np] per group (fp32 [1, Np] per channel), mins fp16 [Kp/g, Np]
 
 (Np, Kp: N and K rounded up to whole tiles and groups; the padding holds zero codes and scales.)
@@ -23,7 +23,7 @@ per instruction, kernels/wq_tile.py) and one dot multiplies them, exact integers
 scale factors out of the dot and is applied in fp32 once per group:
 acc += (codes @ x^T) * d (+ m * sum(x over the group), for the asymmetric layout) — more accurate
 than dequantizing w to fp16/bf16 first, which rounds every weight (2^-11 / 2^-8 relative). Groups of
-64k columns take whole tiles; other multiples of 32 take each tile as two 32-column halves.
+64k columns take whole 64-column tiles; other multiples of 32, tiles of 32 columns.
 
 Decode (M <= 16) splits K over the grid so ~2 programs per SM stream the weights once. Each split
 writes its fp32 partial sums to a workspace and takes a ticket; the last split of a column tile
@@ -52,6 +52,7 @@ from lowbit.kernels.wq_tile import (
     tile_codes,
     tile_pack_int4,
     tile_pack_int8,
+    tile_width,
 )
 
 DECODE_MAX_ROWS = 16  # up to this many rows: one row tile, K split over the grid
@@ -60,7 +61,7 @@ DEQUANT_MIN_ROWS = 256  # from this many rows (16-bit x and y): dequantize, then
 
 @dataclass
 class WQPacked:
-    qweight: torch.Tensor  # int4: uint8 [Np/128, Kp/64, 4096]; int8: int8 [Np/128, Kp/64, 8192]
+    qweight: torch.Tensor  # int4: uint8 [Np/128, Kp/tk, 64 tk]; int8: int8 [Np/128, Kp/tk, 128 tk]
     scales: torch.Tensor  # fp16 [Kp/g, Np] per group, or fp32 [1, Np] per output channel
     mins: torch.Tensor | None  # fp16 [Kp/g, Np] (int4 asymmetric) or None
     bits: int  # 4 | 8
@@ -72,8 +73,12 @@ class WQPacked:
     workspaces: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
+    def tile_k(self) -> int:
+        return tile_width(self.group_size, self.per_channel)
+
+    @property
     def padded_in_features(self) -> int:
-        return self.qweight.shape[1] * TILE_K
+        return self.qweight.shape[1] * self.tile_k
 
     @property
     def padded_out_features(self) -> int:
@@ -112,7 +117,7 @@ def wq_pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
         raise ValueError(f"wq_pack_int4: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} "
                          f"do not form groups of {group_size} (a multiple of 32)")
     Np, Kp = padded(N, Kg)  # groups of 64k: Kp = Kg; others: Kp/g groups rounded up, the last padding
-    q = tile_pack_int4(_pad(codes, Np, Kp, 8 if mins is None else 0))  # padding: zero weights
+    q = tile_pack_int4(_pad(codes, Np, Kp, 8 if mins is None else 0), tile_width(group_size, False))  # padding: 0
     return WQPacked(q, _group_rows(scales.half(), group_size, Kp, Np),
                     None if mins is None else _group_rows(mins.half(), group_size, Kp, Np), 4, group_size,
                     in_features, N)
@@ -127,18 +132,19 @@ def wq_pack_int8(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) 
     per_channel = G == 1 and scales.dtype == torch.float32
     group = Kg if per_channel else Kg // G
     Np, Kp = padded(N, Kg)
-    q = tile_pack_int8(_pad(qweight, Np, Kp))
+    q = tile_pack_int8(_pad(qweight, Np, Kp), tile_width(group, per_channel))
     s = _pad(scales.t().float(), 1, Np) if per_channel else _group_rows(scales.half(), group, Kp, Np)
     return WQPacked(q, s, None, 8, group, in_features, N)
 
 
 @triton.jit
-def _tile(q_ptr, t, BITS: tl.constexpr, HAS_MIN: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """Weight tile t (row block and K tile in one index) → [128, 64] values in DTYPE."""
+def _tile(q_ptr, t, BITS: tl.constexpr, HAS_MIN: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr,
+          TK: tl.constexpr):
+    """Weight tile t (row block and K tile in one index) → [128, TK] values in DTYPE."""
     if BITS == 4:
-        v = load_int4_tile(q_ptr, t, not HAS_MIN, DTYPE, ASM)
+        v = load_int4_tile(q_ptr, t, not HAS_MIN, DTYPE, ASM, TK)
     else:
-        v = load_int8_tile(q_ptr, t, DTYPE, ASM)
+        v = load_int8_tile(q_ptr, t, DTYPE, ASM, TK)
     return v
 
 
@@ -164,40 +170,39 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * 128 + tl.arange(0, 128)
     m_ok = offs_m < M
-    # a chunk: one group of 64k columns (its tiles summed before the scale), else one tile
+    # a chunk of the K loop: one group of 64k columns (its tiles summed before the scale), else 64
+    # columns: one 64-column tile per channel, or two 32-column tiles, each its own group's
     WHOLE: tl.constexpr = PER_CHANNEL or GROUP % 64 == 0
-    TPC: tl.constexpr = GROUP // 64 if (WHOLE and not PER_CHANNEL) else 1  # tiles per chunk
-    n_chunks = tl.cdiv(tl.cdiv(K, 64), TPC)
+    TPC: tl.constexpr = GROUP // 64 if (WHOLE and not PER_CHANNEL) else 1  # 64-column tiles per chunk
+    CH: tl.constexpr = 64 * TPC  # columns per chunk
+    n_chunks = tl.cdiv(K, CH)
     per_split = tl.cdiv(n_chunks, SPLIT_K)
     acc = tl.zeros((128, BLOCK_M), dtype=tl.float32)  # y^T tile
     for c in range(pid_s * per_split, tl.minimum((pid_s + 1) * per_split, n_chunks)):
         if PER_CHANNEL:  # one scale per row, applied at the end
-            acc = tl.dot(_tile(q_ptr, pid_n * KT + c, BITS, HAS_MIN, DTYPE, ASM),
+            acc = tl.dot(_tile(q_ptr, pid_n * KT + c, BITS, HAS_MIN, DTYPE, ASM, 64),
                          _x_tile(x_ptr, c * 64, offs_m, m_ok, K, stride_xm, 64, DTYPE), acc, input_precision=PREC)
         elif WHOLE:
             part = tl.zeros((128, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(TPC):
                 t = c * TPC + s
                 x = _x_tile(x_ptr, t * 64, offs_m, m_ok, K, stride_xm, 64, DTYPE)  # [64, BM]
-                part = tl.dot(_tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM), x, part,
+                part = tl.dot(_tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM, 64), x, part,
                               input_precision=PREC)
             acc += part * tl.load(s_ptr + c * NP + offs_n).to(tl.float32)[:, None]
-        else:  # groups of 32 (or an odd multiple): each half of the tile scaled by its own group
-            a = _tile(q_ptr, pid_n * KT + c, BITS, HAS_MIN, DTYPE, ASM)
-            a0, a1 = a.reshape(128, 2, 32).trans(0, 2, 1).split()  # k 0..31 and 32..63: a register split
-            x0 = _x_tile(x_ptr, c * 64, offs_m, m_ok, K, stride_xm, 32, DTYPE)
-            x1 = _x_tile(x_ptr, c * 64 + 32, offs_m, m_ok, K, stride_xm, 32, DTYPE)
-            g0 = (c * 64) // GROUP
-            g1 = (c * 64 + 32) // GROUP
-            acc += tl.dot(a0, x0, input_precision=PREC) * tl.load(s_ptr + g0 * NP + offs_n).to(tl.float32)[:, None]
-            acc += tl.dot(a1, x1, input_precision=PREC) * tl.load(s_ptr + g1 * NP + offs_n).to(tl.float32)[:, None]
+        else:  # groups of 32 (or an odd multiple): 32-column tiles, each scaled by its group's scale
+            for h in tl.static_range(2):
+                t = 2 * c + h
+                part = tl.dot(_tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM, 32),
+                              _x_tile(x_ptr, t * 32, offs_m, m_ok, K, stride_xm, 32, DTYPE), input_precision=PREC)
+                acc += part * tl.load(s_ptr + ((t * 32) // GROUP) * NP + offs_n).to(tl.float32)[:, None]
     if HAS_MIN:
         # the mins' term, sum over this split's groups g of m[n, g] * xs[g, m] (xs: x summed over
         # each group, once per call), as dots over 16 groups at a time: the fp16 mins are exact in
         # tf32 and the fp32 sums are split in three (tf32x3), so it stays fp32-accurate
         # each group belongs to the split holding its first column
-        g_lo = tl.cdiv(pid_s * per_split * TPC * 64, GROUP)
-        g_hi = tl.minimum(tl.cdiv(tl.minimum((pid_s + 1) * per_split, n_chunks) * TPC * 64, GROUP), tl.cdiv(K, GROUP))
+        g_lo = tl.cdiv(pid_s * per_split * CH, GROUP)
+        g_hi = tl.minimum(tl.cdiv(tl.minimum((pid_s + 1) * per_split, n_chunks) * CH, GROUP), tl.cdiv(K, GROUP))
         for g0 in range(g_lo, g_hi, 16):
             gs = g0 + tl.arange(0, 16)
             g_ok = gs < g_hi
@@ -246,9 +251,10 @@ def _wq_dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, NP, KT, BITS: tl.constexpr, H
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     DTYPE: tl.constexpr = w_ptr.dtype.element_ty
+    TK: tl.constexpr = 64 if (PER_CHANNEL or GROUP % 64 == 0) else 32  # wq_tile.tile_width
     offs_n = pid_n * 128 + tl.arange(0, 128)
-    offs_k = t * 64 + tl.arange(0, 64)
-    u = _tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM).to(tl.float32)  # [128, 64], exact codes
+    offs_k = t * TK + tl.arange(0, TK)
+    u = _tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM, TK).to(tl.float32)  # [128, TK], exact codes
     if not PER_CHANNEL:
         g = (offs_k // GROUP)[None, :]
         u = u * tl.load(s_ptr + g * NP + offs_n[:, None]).to(tl.float32)
@@ -311,8 +317,8 @@ def choose_config(M: int, w: WQPacked, device: torch.device, x_dtype: torch.dtyp
     sixteen_bit = x_dtype != torch.float32 and (out_dtype or x_dtype) == x_dtype
     if M <= DECODE_MAX_ROWS:
         tiles = w.padded_out_features // TILE_N
-        per_chunk = w.group_size // TILE_K if (w.group_size % TILE_K == 0 and not w.per_channel) else 1
-        chunks = triton.cdiv(triton.cdiv(w.in_features, TILE_K), per_chunk)
+        chunk = w.group_size if (w.group_size % TILE_K == 0 and not w.per_channel) else TILE_K
+        chunks = triton.cdiv(w.in_features, chunk)
         split = max(1, min(chunks, (2 * _sm_count(device)) // tiles))
         cfg = LaunchConfig(16, split)
     elif M >= DEQUANT_MIN_ROWS and sixteen_bit:
@@ -414,7 +420,7 @@ def wq_dequant_ref(w: WQPacked, cols: torch.Tensor | None = None) -> torch.Tenso
     of weights."""
     K = w.in_features
     rows = torch.arange(w.out_features, device=w.qweight.device) if cols is None else cols.to(w.qweight.device)
-    codes = tile_codes(w.qweight, rows)  # [n, Kp]
+    codes = tile_codes(w.qweight, w.bits, rows)  # [n, Kp]
     groups = w.scales.shape[0]
     Kg = groups * w.group_size if not w.per_channel else codes.shape[1]
     codes = _pad(codes, codes.shape[0], Kg, 8 if (w.bits == 4 and w.mins is None) else 0)[:, :Kg]

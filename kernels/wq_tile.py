@@ -1,5 +1,5 @@
 """The tensor-core operand tile of the GPU weight-only matmul (kernels/wq_mm.py): how a 128-row x
-64-column block of quantized weights lies in memory so that each thread's 16-byte loads hold exactly
+64-column (or 32-column) block of quantized weights lies in memory so that each thread's 16-byte loads hold exactly
 the codes its part of the MMA's A operand needs, and how those codes become fp16/bf16 in registers.
 
 The matmul is swapped, y^T[N, M] = W[N, K] @ x^T[K, M], so the weights are the dot's left operand,
@@ -24,6 +24,9 @@ block hold the tile's (n, b) with, bit for bit,
     T = (b2, n0, n1, n2, n4, n5, n6),  R = (b0, n3, b3, b4, b1)   (least significant first).
 int8: the code of (n, k) itself, with
     T = (n0, n1, n2, n4, n5, k5, n6),  R = (k0, n3, k3, k4, k1, k2).
+Groups of 32 (or odd multiples) take tiles of 32 columns instead, so that no tile holds two groups
+(the operand then drops k5): int4 [128, 16] bytes with T = (b1, b2, n0, n1, n2, n4, n5),
+R = (b0, n3, b3, n6); int8 [128, 32] with T = (k2, n0, n1, n2, n4, n5, n6), R = (k0, n3, k3, k4, k1).
 
 Codes to floats, two per 32-bit instruction (the magic-number trick of FasterTransformer/Marlin):
 OR a code into the mantissa of 1024 (fp16 0x6400, ulp 1) or 128 (bf16 0x4300), then subtract the
@@ -41,14 +44,22 @@ import torch
 from lowbit.kernels.triton_import import tl, triton
 
 TILE_N = 128  # weight rows (output features) per tile: two 64-row wgmma blocks over 4 warps
-TILE_K = 64  # columns (input features) per tile
-TILE_WARPS = 4  # the layout above is the operand layout of a 4-warp program
-INT4_TILE_BYTES = TILE_N * TILE_K // 2  # 4096
-INT8_TILE_BYTES = TILE_N * TILE_K  # 8192
+TILE_K = 64  # columns (input features) per tile; 32 for groups that are not a multiple of 64
+TILE_WARPS = 4  # the layouts here are the operand layout of a 4-warp program
+
+
+def tile_width(group_size: int, per_channel: bool) -> int:
+    """Columns per tile: 64, or 32 where groups of 32 (or an odd multiple) would cut 64-wide tiles,
+    so that a tile never holds two groups' codes and never has to be split in registers."""
+    return TILE_K if per_channel or group_size % TILE_K == 0 else TILE_K // 2
+
+
+def tile_bytes(bits: int, tile_k: int) -> int:
+    return TILE_N * tile_k * bits // 8
 
 
 def padded(n: int, k: int) -> tuple[int, int]:
-    """A weight's [N, K] rounded up to whole tiles."""
+    """A weight's [N, K] rounded up to whole tiles (K to 64 for either width)."""
     return triton.cdiv(n, TILE_N) * TILE_N, triton.cdiv(k, TILE_K) * TILE_K
 
 
@@ -56,24 +67,38 @@ def _bit(x: torch.Tensor, i: int) -> torch.Tensor:
     return (x >> i) & 1
 
 
-def int4_offsets(n: torch.Tensor, k: torch.Tensor, k_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the int4 code of weight (n, k) lies in a tiled buffer of `k_tiles` tiles per row block:
-    (byte offset, shift of its nibble), broadcast over n and k (int64)."""
-    nl, kl = n % TILE_N, k % TILE_K
+def _index(bits: list[torch.Tensor]) -> torch.Tensor:
+    """Bits, least significant first → the number."""
+    return sum(b << i for i, b in enumerate(bits))
+
+
+def int4_offsets(n: torch.Tensor, k: torch.Tensor, k_tiles: int, tile_k: int = TILE_K
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the int4 code of weight (n, k) lies in a tiled buffer of `k_tiles` tiles of `tile_k`
+    columns per row block: (byte offset, shift of its nibble), broadcast over n and k (int64)."""
+    nl, kl = n % TILE_N, k % tile_k
     b = 8 * (kl >> 4) + (kl & 7)  # the byte of the tile row; its nibble j = bit 3 of k
-    t = _bit(b, 2) | _bit(nl, 0) << 1 | _bit(nl, 1) << 2 | _bit(nl, 2) << 3 | _bit(nl, 4) << 4 | \
-        _bit(nl, 5) << 5 | _bit(nl, 6) << 6
-    r = _bit(b, 0) | _bit(nl, 3) << 1 | _bit(b, 3) << 2 | _bit(b, 4) << 3 | _bit(b, 1) << 4
-    return ((n // TILE_N) * k_tiles + k // TILE_K) * INT4_TILE_BYTES + t * 32 + r, 4 * _bit(kl, 3)
+    nb = [_bit(nl, i) for i in range(7)]
+    bb = [_bit(b, i) for i in range(5)]
+    if tile_k == TILE_K:  # a [128, 32] byte block: T = (b2, n0, n1, n2, n4, n5, n6), R = (b0, n3, b3, b4, b1)
+        t, r = _index([bb[2], nb[0], nb[1], nb[2], nb[4], nb[5], nb[6]]), _index([bb[0], nb[3], bb[3], bb[4], bb[1]])
+    else:  # a [128, 16] block: T = (b1, b2, n0, n1, n2, n4, n5), R = (b0, n3, b3, n6)
+        t, r = _index([bb[1], bb[2], nb[0], nb[1], nb[2], nb[4], nb[5]]), _index([bb[0], nb[3], bb[3], nb[6]])
+    row = tile_k // 2
+    return ((n // TILE_N) * k_tiles + k // tile_k) * (TILE_N * row) + t * row + r, 4 * _bit(kl, 3)
 
 
-def int8_offsets(n: torch.Tensor, k: torch.Tensor, k_tiles: int) -> torch.Tensor:
+def int8_offsets(n: torch.Tensor, k: torch.Tensor, k_tiles: int, tile_k: int = TILE_K) -> torch.Tensor:
     """Where the int8 code of weight (n, k) lies in a tiled buffer (byte offset, int64)."""
-    nl, kl = n % TILE_N, k % TILE_K
-    t = _bit(nl, 0) | _bit(nl, 1) << 1 | _bit(nl, 2) << 2 | _bit(nl, 4) << 3 | _bit(nl, 5) << 4 | \
-        _bit(kl, 5) << 5 | _bit(nl, 6) << 6
-    r = _bit(kl, 0) | _bit(nl, 3) << 1 | _bit(kl, 3) << 2 | _bit(kl, 4) << 3 | _bit(kl, 1) << 4 | _bit(kl, 2) << 5
-    return ((n // TILE_N) * k_tiles + k // TILE_K) * INT8_TILE_BYTES + t * 64 + r
+    nl, kl = n % TILE_N, k % tile_k
+    nb = [_bit(nl, i) for i in range(7)]
+    kb = [_bit(kl, i) for i in range(6)]
+    if tile_k == TILE_K:  # [128, 64]: T = (n0, n1, n2, n4, n5, k5, n6), R = (k0, n3, k3, k4, k1, k2)
+        t, r = _index([nb[0], nb[1], nb[2], nb[4], nb[5], kb[5], nb[6]]), _index([kb[0], nb[3], kb[3], kb[4], kb[1],
+                                                                                  kb[2]])
+    else:  # [128, 32]: T = (k2, n0, n1, n2, n4, n5, n6), R = (k0, n3, k3, k4, k1)
+        t, r = _index([kb[2], nb[0], nb[1], nb[2], nb[4], nb[5], nb[6]]), _index([kb[0], nb[3], kb[3], kb[4], kb[1]])
+    return ((n // TILE_N) * k_tiles + k // tile_k) * (TILE_N * tile_k) + t * tile_k + r
 
 
 def _grid(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,35 +106,36 @@ def _grid(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.arange(N, device=codes.device)[:, None], torch.arange(K, device=codes.device)[None, :])
 
 
-def tile_pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """codes [Np, Kp] (0..15, whole tiles) → uint8 [Np/128, Kp/64, 4096], each tile in the order the
-    kernel loads it."""
+def tile_pack_int4(codes: torch.Tensor, tile_k: int = TILE_K) -> torch.Tensor:
+    """codes [Np, Kp] (0..15, whole tiles) → uint8 [Np/128, Kp/tile_k, bytes], each tile in the order
+    the kernel loads it."""
     Np, Kp = codes.shape
-    off, shift = int4_offsets(*_grid(codes), Kp // TILE_K)
+    off, shift = int4_offsets(*_grid(codes), Kp // tile_k, tile_k)
     buf = torch.zeros(Np * Kp // 2, dtype=torch.int32, device=codes.device)
     buf.scatter_add_(0, off.flatten(), (codes.to(torch.int32) << shift.to(torch.int32)).flatten())  # each nibble once
-    return buf.to(torch.uint8).reshape(Np // TILE_N, Kp // TILE_K, INT4_TILE_BYTES)
+    return buf.to(torch.uint8).reshape(Np // TILE_N, Kp // tile_k, tile_bytes(4, tile_k))
 
 
-def tile_pack_int8(codes: torch.Tensor) -> torch.Tensor:
-    """codes int8 [Np, Kp] (whole tiles) → int8 [Np/128, Kp/64, 8192] in load order."""
+def tile_pack_int8(codes: torch.Tensor, tile_k: int = TILE_K) -> torch.Tensor:
+    """codes int8 [Np, Kp] (whole tiles) → int8 [Np/128, Kp/tile_k, bytes] in load order."""
     Np, Kp = codes.shape
     buf = torch.empty(Np * Kp, dtype=torch.int8, device=codes.device)
-    buf[int8_offsets(*_grid(codes), Kp // TILE_K).flatten()] = codes.flatten()
-    return buf.reshape(Np // TILE_N, Kp // TILE_K, INT8_TILE_BYTES)
+    buf[int8_offsets(*_grid(codes), Kp // tile_k, tile_k).flatten()] = codes.flatten()
+    return buf.reshape(Np // TILE_N, Kp // tile_k, tile_bytes(8, tile_k))
 
 
-def tile_codes(tiles: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The codes back from a tiled buffer [Np/128, Kp/64, bytes]: uint8 0..15 (int4) or int8,
+def tile_codes(tiles: torch.Tensor, bits: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The codes back from a tiled buffer [Np/128, Kp/tile_k, bytes]: uint8 0..15 (int4) or int8,
     [Np, Kp] or [len(rows), Kp] for some rows only (a gather: embedding lookups)."""
     tn, tk, nbytes = tiles.shape
+    tile_k = nbytes * 8 // (TILE_N * bits)
     n = torch.arange(tn * TILE_N, device=tiles.device) if rows is None else rows.to(tiles.device, torch.int64)
-    k = torch.arange(tk * TILE_K, device=tiles.device)[None, :]
+    k = torch.arange(tk * tile_k, device=tiles.device)[None, :]
     flat = tiles.reshape(-1)
-    if nbytes == INT4_TILE_BYTES:
-        off, shift = int4_offsets(n[:, None], k, tk)
+    if bits == 4:
+        off, shift = int4_offsets(n[:, None], k, tk, tile_k)
         return ((flat[off].to(torch.int32) >> shift) & 0xF).to(torch.uint8)
-    return flat[int8_offsets(n[:, None], k, tk)]
+    return flat[int8_offsets(n[:, None], k, tk, tile_k)]
 
 
 # PTX, one 32-bit register of 4 codes' bytes in ($4 int4 / $2 int8), fp16/bf16 pairs out. int4:
@@ -189,41 +215,50 @@ INT8_BF16 = tl.constexpr(_INT8_BF16)
 
 
 @triton.jit
-def load_int4_tile(q_ptr, tile, SYM: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """Tile `tile` of an int4 weight → its values [128, 64] in DTYPE (codes u, or u - 8 when SYM):
+def load_int4_tile(q_ptr, tile, SYM: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr, TK: tl.constexpr):
+    """Tile `tile` of an int4 weight → its values [128, TK] in DTYPE (codes u, or u - 8 when SYM):
     row n, column k, as `tile_pack_int4` laid them."""
     t = tl.arange(0, 128)
-    r = tl.arange(0, 32)
-    mem = tl.load(q_ptr + tile.to(tl.int64) * 4096 + t[:, None] * 32 + r[None, :],
-                  eviction_policy="evict_first")  # [128, 32] uint8, 16 bytes per load
-    mem = mem.reshape(8, 8, 4, 4, 2, 2)  # n6n5n4, n2n1n0, b2b1, b4b3, n3, b0
-    b = mem.trans(0, 4, 1, 3, 2, 5).reshape(128, 32)  # [n, b]
+    r = tl.arange(0, TK // 2)
+    mem = tl.load(q_ptr + tile.to(tl.int64) * (64 * TK) + t[:, None] * (TK // 2) + r[None, :],
+                  eviction_policy="evict_first")  # [128, TK/2] uint8, 16 bytes per load
+    if TK == 64:
+        mem = mem.reshape(8, 8, 4, 4, 2, 2)  # n6n5n4, n2n1n0, b2b1, b4b3, n3, b0
+        b = mem.trans(0, 4, 1, 3, 2, 5).reshape(128, 32)  # [n, b]
+    else:
+        mem = mem.reshape(4, 8, 4, 2, 2, 2, 2)  # n5n4, n2n1n0, b2b1, n6, b3, n3, b0
+        b = mem.trans(3, 0, 5, 1, 4, 2, 6).reshape(128, 16)  # [n, b]
     if ASM:
         if DTYPE == tl.float16 and SYM:
             lo, hi = tl.inline_asm_elementwise(INT4_F16_SYM, "=r,=r,=r,=r,r", [b], (tl.float16, tl.float16), True, 4)
         elif DTYPE == tl.float16:
             lo, hi = tl.inline_asm_elementwise(INT4_F16, "=r,=r,=r,=r,r", [b], (tl.float16, tl.float16), True, 4)
         elif SYM:
-            lo, hi = tl.inline_asm_elementwise(INT4_BF16_SYM, "=r,=r,=r,=r,r", [b], (tl.bfloat16, tl.bfloat16), True, 4)
+            lo, hi = tl.inline_asm_elementwise(INT4_BF16_SYM, "=r,=r,=r,=r,r", [b], (tl.bfloat16, tl.bfloat16), True,
+                                               4)
         else:
             lo, hi = tl.inline_asm_elementwise(INT4_BF16, "=r,=r,=r,=r,r", [b], (tl.bfloat16, tl.bfloat16), True, 4)
     else:  # via fp32: the interpreter casts integers to bf16 wrongly
         off = 8.0 if SYM else 0.0
         lo = ((b & 0xF).to(tl.float32) - off).to(DTYPE)
         hi = ((b >> 4).to(tl.float32) - off).to(DTYPE)
-    a = tl.join(lo, hi)  # [128, 32, 2]: [n, b, j]
-    return a.reshape(128, 4, 8, 2).trans(0, 1, 3, 2).reshape(128, 64)  # k = 16 (b >> 3) + 8 j + (b & 7)
+    a = tl.join(lo, hi)  # [128, TK/2, 2]: [n, b, j]
+    return a.reshape(128, TK // 16, 8, 2).trans(0, 1, 3, 2).reshape(128, TK)  # k = 16 (b >> 3) + 8 j + (b & 7)
 
 
 @triton.jit
-def load_int8_tile(q_ptr, tile, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """Tile `tile` of an int8 weight → its codes [128, 64] in DTYPE, as `tile_pack_int8` laid them."""
+def load_int8_tile(q_ptr, tile, DTYPE: tl.constexpr, ASM: tl.constexpr, TK: tl.constexpr):
+    """Tile `tile` of an int8 weight → its codes [128, TK] in DTYPE, as `tile_pack_int8` laid them."""
     t = tl.arange(0, 128)
-    r = tl.arange(0, 64)
-    mem = tl.load(q_ptr + tile.to(tl.int64) * 8192 + t[:, None] * 64 + r[None, :],
-                  eviction_policy="evict_first")  # [128, 64] int8
-    mem = mem.reshape(2, 2, 4, 8, 4, 4, 2, 2)  # n6, k5, n5n4, n2n1n0, k2k1, k4k3, n3, k0
-    q = mem.trans(0, 2, 6, 3, 1, 5, 4, 7).reshape(128, 64)  # [n, k]
+    r = tl.arange(0, TK)
+    mem = tl.load(q_ptr + tile.to(tl.int64) * (128 * TK) + t[:, None] * TK + r[None, :],
+                  eviction_policy="evict_first")  # [128, TK] int8
+    if TK == 64:
+        mem = mem.reshape(2, 2, 4, 8, 4, 4, 2, 2)  # n6, k5, n5n4, n2n1n0, k2k1, k4k3, n3, k0
+        q = mem.trans(0, 2, 6, 3, 1, 5, 4, 7).reshape(128, 64)  # [n, k]
+    else:
+        mem = mem.reshape(8, 8, 4, 4, 2, 2)  # n6n5n4, n2n1n0, k2k1, k4k3, n3, k0
+        q = mem.trans(0, 4, 1, 3, 2, 5).reshape(128, 32)  # [n, k]
     if ASM and DTYPE == tl.float16:
         v = tl.inline_asm_elementwise(INT8_F16, "=r,=r,r", [q], tl.float16, True, 4)
     elif ASM:

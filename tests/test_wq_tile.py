@@ -143,7 +143,8 @@ def test_the_emulator_itself():
 def test_tiles_hold_the_documented_order():
     """Every code sits where the docstring puts it: int4 byte b of a tile row holds column
     16 (b >> 3) + 8 j + (b & 7) in nibble j, row T and byte R of the loaded [128, 32] block being
-    T = (b2, n0, n1, n2, n4, n5, n6), R = (b0, n3, b3, b4, b1); and back again, for any rows."""
+    T = (b2, n0, n1, n2, n4, n5, n6), R = (b0, n3, b3, b4, b1); and back again, for any rows, for
+    both tile widths (64 and 32 columns) and int8."""
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 16, (256, 192), dtype=torch.uint8, generator=g)
     tiles = tile_pack_int4(codes)
@@ -158,11 +159,16 @@ def test_tiles_hold_the_documented_order():
         assert (byte >> 4 * j) & 0xF == int(codes[n, k]), (n, k)
         off, shift = int4_offsets(torch.tensor(n), torch.tensor(k), 3)
         assert (int(flat[off]) >> int(shift)) & 0xF == int(codes[n, k])
-    assert torch.equal(tile_codes(tiles), codes)
     rows = torch.tensor([255, 0, 130, 130])
-    assert torch.equal(tile_codes(tiles, rows), codes[rows])
-    q = torch.randint(-128, 128, (128, 128), dtype=torch.int8, generator=g)
-    q8 = tile_pack_int8(q)
-    assert torch.equal(tile_codes(q8), q)
-    n, k = torch.arange(128)[:, None], torch.arange(128)[None, :]
-    assert len(set(int8_offsets(n, k, 2).flatten().tolist())) == 128 * 128  # a permutation
+    q = torch.randint(-128, 128, (256, 192), dtype=torch.int8, generator=g)
+    n, k = torch.arange(256)[:, None], torch.arange(192)[None, :]
+    for tile_k in (64, 32):
+        tiles = tile_pack_int4(codes, tile_k)
+        assert tiles.shape == (2, 192 // tile_k, 64 * tile_k)
+        assert torch.equal(tile_codes(tiles, 4), codes)
+        assert torch.equal(tile_codes(tiles, 4, rows), codes[rows])
+        off, shift = int4_offsets(n, k, 192 // tile_k, tile_k)
+        assert len(set((2 * off + shift // 4).flatten().tolist())) == 256 * 192  # every nibble once
+        q8 = tile_pack_int8(q, tile_k)
+        assert torch.equal(tile_codes(q8, 8), q) and torch.equal(tile_codes(q8, 8, rows), q[rows])
+        assert len(set(int8_offsets(n, k, 192 // tile_k, tile_k).flatten().tolist())) == 256 * 192

@@ -61,8 +61,10 @@ def classify(op: str) -> str:
 
 
 def main_loop(sass: str) -> list[str]:
-    """The opcodes of the longest loop: from a label to the last branch back to it."""
-    ops: list[tuple[str, str]] = []  # (label or "", opcode)
+    """The opcodes of the K loop: from a label to the last branch back to it — of the loops that
+    load weights (evict-first loads, `LDG.E.EF`, which only the weight tiles use), else of all, the
+    longest. (The asymmetric layouts' kernel has a second loop, over the mins.)"""
+    ops: list[str] = []
     labels: dict[str, int] = {}
     backs: list[tuple[str, int]] = []
     for line in sass.splitlines():
@@ -76,12 +78,10 @@ def main_loop(sass: str) -> list[str]:
         b = BRANCH.search(line)
         if b and b.group(1) in labels:
             backs.append((b.group(1), len(ops)))
-        ops.append(("", m.group(3)))
-    loops = [(labels[lab], end) for lab, end in backs]
-    if not loops:
-        return []
-    start, end = max(loops, key=lambda se: se[1] - se[0])
-    return [op for _, op in ops[start:end + 1]]
+        ops.append(m.group(3))
+    loops = [ops[labels[lab]:end + 1] for lab, end in backs]
+    weights = [loop for loop in loops if any(op.startswith("LDG.E.EF") for op in loop)]
+    return max(weights or loops, key=len, default=[])
 
 
 def compile_config(w, cfg, x_dtype: torch.dtype, arch: int):
@@ -152,10 +152,10 @@ def weight_round_trips(ttgir: str) -> int:
                and ("xi8" in line or re.search(r"tensor<128x\d+x", line)))
 
 
-def tiles_per_iteration(w) -> int:
-    """64-column weight tiles one pass of the kernel's K loop reads (a group of 64k columns: its
-    tiles; otherwise one)."""
-    return w.group_size // 64 if (not w.per_channel and w.group_size % 64 == 0) else 1
+def columns_per_iteration(w) -> int:
+    """Weight columns one pass of the kernel's K loop reads: a group of 64k columns, else 64 (one
+    64-column tile per channel, or two 32-column tiles of groups of 32)."""
+    return w.group_size if (not w.per_channel and w.group_size % 64 == 0) else 64
 
 
 def main() -> int:
@@ -172,7 +172,7 @@ def main() -> int:
     os.environ["TRITON_INTERPRET"] = "0"
     args = ap.parse_args()
     from lowbit.kernels import wq_mm
-    from lowbit.kernels.wq_tile import TILE_K, TILE_N
+    from lowbit.kernels.wq_tile import TILE_N
 
     # the H200's: 132 SMs, 227 KiB of shared memory per block (choose_config asks the device)
     wq_mm._sm_count = lambda device: 132
@@ -186,13 +186,13 @@ def main() -> int:
                 cfg = wq_mm.choose_config(M, w, torch.device("cuda"), x_dtype)
                 sass, ttgir = compile_config(w, cfg, x_dtype, args.arch)
                 loop = main_loop(sass)
-                words = tiles_per_iteration(w) * TILE_N * TILE_K * w.bits // 32
+                words = columns_per_iteration(w) * TILE_N * w.bits // 32
                 threads = 32 * cfg.num_warps
                 per_word = len(loop) * threads / words
                 by = Counter(classify(op) for op in loop)
                 classes = ", ".join(f"{name} {by[name] * threads / words:.1f}" for name, _ in CLASSES if by[name])
                 other = by["other"] * threads / words
-                print(f"{layout} {dtype} M={M} form={cfg.form} tile {cfg.block_m}x{cfg.block_n}x{TILE_K} warps "
+                print(f"{layout} {dtype} M={M} form={cfg.form} tile {cfg.block_m}x{cfg.block_n}x{w.tile_k} warps "
                       f"{cfg.num_warps} split {cfg.split_k} stages {cfg.num_stages}: loop {len(loop)} instructions/thread, "
                       f"{words} words/iteration -> {per_word:.1f} instructions per packed word ({classes}, other "
                       f"{other:.1f}); shared-memory ops in the loop {by['shared']}, weight round trips through "
