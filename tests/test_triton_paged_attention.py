@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from lowbit.kernels.kv_quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from lowbit.kernels.kv_side import KVSide
 from lowbit.kernels.kv_write import kv_write, kv_write_ref
-from lowbit.kernels.paged_attention import batch_tensors, paged_attention, paged_attention_ref
+from lowbit.kernels.paged_attention import batch_tensors, paged_attention, paged_attention_ref, split_rows
 from lowbit.kernels.triton_import import interpreting
 from lowbit.models.attention import PagedAttention, PagedBatch
 from lowbit.models.backend import torch_backend
@@ -303,6 +303,237 @@ def test_paged_attention_decode_batch(device, window):
     if window == 1:
         v_self = torch.stack([dequantize_int4(*quantize_int4(v[-1], 32)) for v in b.v[:1] + b.v[2:]])  # [3, Hkv, D]
         torch.testing.assert_close(got.cpu(), v_self.repeat_interleave(H // Hkv, dim=1), atol=1e-6, rtol=1e-6)
+
+
+# ---- paged_attention, decode steps: split-KV -------------------------------------------------------
+
+# One query row a sequence (max_query_len=1 takes the split-KV kernels): contexts of 1 token, 5 and 37
+# (inside one split) and 300 (several splits at every split size below).
+DECODE_SEQS = [(1, 1), (5, 1), (37, 1), (300, 1)]
+# (kv_split, block_n, max_splits) launch overrides. grown: 300 keys need more than 8 splits of 32, so
+# the split grows to 48 (cdiv(300, 8) = 38 rounded up to 16): 7 splits, 2 of 32 for the 37 tokens.
+# default: the launcher's (2 splits of 256 for the 300). one: a single split, the whole context.
+# many: 19 splits of 16 for the 300, 3 for the 37.
+SPLITS = {"grown": (32, 16, 8), "default": (None, None, None), "one": (16, 16, 1), "many": (16, 16, 32)}
+
+
+def split_args(name: str) -> dict:
+    kv_split, block_n, max_splits = SPLITS[name]
+    return {"kv_split": kv_split, "block_n": block_n, "max_splits": max_splits, "max_query_len": 1}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize(("page", "D", "H", "Hkv"), SHAPES)
+def test_paged_attention_decode_matches_ref(device, fmt, page, D, H, Hkv):
+    """Every format and shape through the split-KV kernels, 7 splits for the longest context. q is
+    fp32 at 4 / 2 heads and a strided fp16 slice at 9 / 3 (the 9 / 3 shape has D = 16, where the K
+    and V groups cap at one a head)."""
+    dtype = torch.float16 if H == 9 else torch.float32
+    gen = torch.Generator().manual_seed(page + D + H + 1)
+    b = make_batch(fmt, page, D, H, Hkv, DECODE_SEQS, gen=gen, device=device, dtype=dtype,
+                   strided_q=dtype == torch.float16)
+    args = b.args(fmt, page)
+    assert_close(paged_attention(**args, **split_args("grown")), paged_attention_ref(**args), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_paged_attention_decode_split_sizes(device, split):
+    """SmolLM2's shape and default format (9 / 3 heads, D = 64, k8v4) at every split size: one split,
+    the defaults, a split grown past max_splits, 19 small ones — all within TOL of the spec."""
+    fmt, page, D, H, Hkv = KV_FORMATS["k8v4"], 16, 64, 9, 3
+    b = make_batch(fmt, page, D, H, Hkv, DECODE_SEQS, gen=torch.Generator().manual_seed(21), device=device)
+    args = b.args(fmt, page)
+    assert_close(paged_attention(**args, **split_args(split)), paged_attention_ref(**args), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", [KV_FORMATS[name] for name in ("f16", "k8v4", "k4v4")], ids=lambda f: f.name)
+def test_paged_attention_decode_sliding_window(device, fmt):
+    """Window 7: the 300-token row sees keys 293..299, its one split starting at 288 (a multiple of
+    16) with 5 keys masked; the 37-token row's first split begins mid-page. Window 100: keys
+    200..299, 4 splits of 32 from 192. A scale that is not 1/sqrt(D)."""
+    page, D, H, Hkv = 4, 16, 9, 3
+    b = make_batch(fmt, page, D, H, Hkv, DECODE_SEQS, gen=torch.Generator().manual_seed(17), device=device)
+    for window in (7, 100):
+        args = b.args(fmt, page) | {"sliding_window": window, "scale": 0.3}
+        assert_close(paged_attention(**args, **split_args("grown")), paged_attention_ref(**args), torch.float32)
+
+
+def subset(args: dict, seqs: list[int], pages: int | None = None) -> dict:
+    """The batch of sequences `seqs` (indices into args' batch, in that order) over the same pool,
+    their block table cut to `pages` columns if given."""
+    cu = args["cu_query_lens"]
+    rows = torch.cat([torch.arange(int(cu[s]), int(cu[s + 1])) for s in seqs]).to(cu.device)
+    n = torch.tensor([int(cu[s + 1] - cu[s]) for s in seqs], dtype=torch.int32)
+    index = torch.tensor(seqs, device=cu.device)
+    table = args["block_tables"][index][:, :pages].contiguous()
+    return args | {"q": args["q"][rows], "positions": args["positions"][rows], "block_tables": table,
+                   "context_lens": args["context_lens"][index].contiguous(),
+                   "cu_query_lens": torch.cat([n.new_zeros(1), n.cumsum(0)]).int().to(cu.device)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_decode_batch_invariant(device):
+    """A sequence's rows are the same bits alone (its block table cut to its own pages) as in a batch
+    of other contexts, in any place: the split of a sequence depends on its own context only (300
+    tokens: 7 splits, 120: 4, 37: 2), and the merge adds its partials in split order."""
+    split = "grown"
+    fmt, page, D, H, Hkv = KV_FORMATS["k8v4"], 16, 64, 9, 3
+    seqs = [(300, 1), (37, 1), (5, 0), (120, 1), (1, 1)]
+    b = make_batch(fmt, page, D, H, Hkv, seqs, gen=torch.Generator().manual_seed(13), device=device)
+    args = b.args(fmt, page)
+    batched = paged_attention(**args, **split_args(split))
+    shuffled = paged_attention(**subset(args, [3, 2, 0]), **split_args(split))
+    assert torch.equal(shuffled[1], batched[0]) and torch.equal(shuffled[0], batched[2])
+    for s, row in ((0, 0), (1, 1), (3, 2), (4, 3)):
+        alone = paged_attention(**subset(args, [s], -(-seqs[s][0] // page)), **split_args(split))
+        assert torch.equal(alone[0], batched[row]), s
+    assert_close(batched, paged_attention_ref(**args), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_that_attend_alone_are_the_same_bits_in_any_step(device):
+    """A decode row gives the same bits in a decode step and in a mixed step beside a prefill chunk
+    (split_rows found on the device, or from the lists); every row of a one_by_one chunk (a
+    speculative chunk: 3 tokens at 297..299 of a 300-token context) gives what decoding that token
+    alone would, its context cut at itself. The prefill chunk's rows still match the spec."""
+    fmt, page, D, H, Hkv = KV_FORMATS["k8v4"], 16, 64, 9, 3
+    seqs = [(300, 3), (37, 1), (40, 6), (120, 1)]
+    b = make_batch(fmt, page, D, H, Hkv, seqs, gen=torch.Generator().manual_seed(5), device=device)
+    args = b.args(fmt, page)
+    mixed = paged_attention(**args)
+    assert torch.equal(mixed, paged_attention(**args, split_rows=split_rows([3, 1, 6, 1], None, device)))
+    assert_close(mixed, paged_attention_ref(**args), torch.float32)
+    spec = paged_attention(**args, split_rows=split_rows([3, 1, 6, 1], [True, False, False, False], device))
+    assert torch.equal(spec[3:], mixed[3:])
+    assert_close(spec, paged_attention_ref(**args), torch.float32)
+    for s, row in ((1, 3), (3, 10)):  # decode rows, alone
+        alone = paged_attention(**subset(args, [s], -(-seqs[s][0] // page)), max_query_len=1)
+        assert torch.equal(alone[0], mixed[row]), s
+    for i in range(3):  # the speculative chunk's rows, each decoded alone at its own context
+        one = subset(args, [0], -(-300 // page))
+        pos = 297 + i
+        one |= {"q": args["q"][i:i + 1], "positions": args["positions"][i:i + 1],
+                "cu_query_lens": torch.tensor([0, 1], dtype=torch.int32, device=device),
+                "context_lens": torch.tensor([pos + 1], dtype=torch.int32, device=device)}
+        assert torch.equal(paged_attention(**one, max_query_len=1)[0], spec[i]), i
+
+
+# What would read a device tensor's values on the host (a sync on CUDA, and no CUDA graph)
+HOST_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_decode_reads_nothing_on_the_host(device, monkeypatch):
+    """With max_query_len=1 the launch never reads a tensor's values (each way to is made to raise),
+    and two batches of the same shapes but other contexts (1 split against 19) launch the same grids
+    with the same workspace."""
+    import lowbit.kernels.paged_attention as pa
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):  # the grid and the first three tensors' shapes (workspace included)
+                launches.append((tuple(grid), [tuple(t.shape) for t in args[:3]]))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    def host_read(*_, **__):
+        raise AssertionError("paged_attention read a tensor on the host")
+
+    fmt, page, D, H, Hkv = KV_FORMATS["k8v4"], 4, 16, 4, 2
+    monkeypatch.setattr(pa, "_paged_decode_split_kernel", Recorder(pa._paged_decode_split_kernel))
+    monkeypatch.setattr(pa, "_paged_decode_merge_kernel", Recorder(pa._paged_decode_merge_kernel))
+    outs, refs = [], []
+    for n, seqs in enumerate(([(5, 1), (3, 1)], [(300, 1), (1, 1)])):
+        b = make_batch(fmt, page, D, H, Hkv, seqs, gen=torch.Generator().manual_seed(n), device=device)
+        args = b.args(fmt, page)
+        with monkeypatch.context() as m:
+            for name in HOST_READS:
+                m.setattr(torch.Tensor, name, host_read)
+            outs.append(paged_attention(**args, **split_args("many")))
+        refs.append(paged_attention_ref(**args))
+    assert launches[:2] == launches[2:] and len(launches) == 4
+    for got, want in zip(outs, refs):
+        assert_close(got, want, torch.float32)
+
+
+@pytest.mark.gpu
+def test_paged_attention_decode_in_a_cuda_graph():
+    """Captured at short contexts, replayed after the batch tensors were overwritten in place with
+    longer ones (5 splits for 1200 tokens): the replay is the eager call's bits."""
+    fmt, page, D, H, Hkv = KV_FORMATS["k8v4"], 16, 64, 9, 3
+    seqs = [(300, 1), (1200, 1), (5, 1)]
+    b = make_batch(fmt, page, D, H, Hkv, seqs, gen=torch.Generator().manual_seed(2), device="cuda")
+    args = b.args(fmt, page)
+    want = paged_attention(**args, max_query_len=1)
+    long_ctx, long_pos = args["context_lens"].clone(), args["positions"].clone()
+    args["context_lens"].copy_(torch.tensor([10, 20, 5], dtype=torch.int32))
+    args["positions"].copy_(args["context_lens"].long() - 1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile) off the capturing stream, as torch.cuda.graph asks
+        paged_attention(**args, max_query_len=1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(**args, max_query_len=1)
+    args["context_lens"].copy_(long_ctx)
+    args["positions"].copy_(long_pos)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    assert_close(out, paged_attention_ref(**args), torch.float32)
+
+
+# Compiles the decode kernels for sm_90 with the launcher's constants and warps: Triton's CUDA backend
+# and its ptxas run on the CPU, so a kernel that only the interpreter accepts fails here.
+COMPILE_SM90 = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from lowbit.kernels import paged_attention as pa
+
+PTR = {32: "*fp32", 16: "*fp16", 8: "*i8", 4: "*u8"}
+for fmt, k_bits, k_group, v_bits, v_group, q_type, sliding in (("k8v4", 8, 64, 4, 32, "*fp32", False),
+                                                                  ("f16", 16, 64, 16, 64, "*fp16", True)):
+    stage1, stage2 = pa.decode_constexprs(64, 3, k_bits, k_group, v_bits, v_group, sliding)
+    # kernel_tensors(): a side without scales or mins passes its codes (data) in their place
+    types = {"q_ptr": q_type, "pos_ptr": "*i64", "rs_ptr": "*i32", "ctx_ptr": "*i32", "bt_ptr": "*i32",
+             "scale": "fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*fp32"}
+    for side, bits in (("k", k_bits), ("v", v_bits)):
+        types.update({side + "c_ptr": PTR[bits], side + "s_ptr": "*fp16" if bits < 16 else PTR[bits],
+                      side + "m_ptr": "*fp16" if bits == 4 else PTR[bits]})
+    for kernel, const, warps in ((pa._paged_decode_split_kernel, stage1, pa.DECODE_WARPS),
+                                 (pa._paged_decode_merge_kernel, stage2, pa.MERGE_WARPS)):
+        sig = {name: "constexpr" if name in const else types.get(name, "i32") for name in kernel.arg_names}
+        k = triton.compile(ASTSource(kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps})
+        assert k.asm["cubin"], (fmt, kernel.__name__)
+        print(fmt, kernel.__name__, "compiled")
+"""
+
+
+def test_paged_attention_decode_kernels_compile_for_sm90():
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", COMPILE_SM90], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=Path(__file__).parents[1])
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("compiled") == 4, r.stdout
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
