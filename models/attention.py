@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.kernels.kv_write import kv_write
-from lowbit.kernels.paged_attention import batch_tensors, paged_attention
+from lowbit.kernels.paged_attention import batch_tensors, paged_attention, split_rows
 
 GATHER_PAGES = 1024  # pages read and dequantized at once (16-token pages, k8v4: ~25 MB of fp32, transient)
 
@@ -32,6 +32,12 @@ class PagedBatch:
     # per sequence: attend its queries one at a time, each exactly as a single-token decode step
     # would (a speculative chunk: its rows then match plain decoding bit for bit); None = all False
     one_by_one: list[bool] | None = None
+    # the fused path's (cu_query_lens int32 [S + 1], context_lens int32 [S], block_tables int32
+    # [S, max_pages], split_rows int32 [M]) already on the device, or None to build them from the
+    # lists above (kernels/paged_attention.py batch_tensors, split_rows). A graphed
+    # decode step (runtime/engine/cuda_graphs.py) passes its static buffers: a replay sees no list, so
+    # context_lens and block_tables are then empty and query_lens (all 1) is fixed per graph
+    kernel_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,8 +79,10 @@ class PagedAttention:
         # ops per layer instead of ~20 per sequence); dequantizing is elementwise, so a sequence's
         # values do not depend on its company — but un-rotating one side is a matmul: one each then
         if self.fused:
-            self.tensors = batch_tensors(batch.query_lens, batch.context_lens, batch.block_tables,
-                                         batch.positions.device)  # once per step, not per layer
+            dev = batch.positions.device
+            self.tensors = batch.kernel_tensors if batch.kernel_tensors is not None else (  # once per step
+                *batch_tensors(batch.query_lens, batch.context_lens, batch.block_tables, dev),
+                split_rows(batch.query_lens, batch.one_by_one, dev))
         else:
             self._plan(batch, pool)
 
@@ -202,10 +210,10 @@ class PagedAttention:
             x = x.float() @ rot if rot is not None and side.bits < 16 else x
             kv_write(x, b.slots, side, pool.page_size)
         rotated = rot is not None and k_side.bits < 16 and v_side.bits < 16
-        cu, ctx, tables = self.tensors
+        cu, ctx, tables, alone = self.tensors
         out = paged_attention(q.float() @ rot if rotated else q, k_side, v_side, cu, ctx, b.positions, tables,
-                              pool.page_size, sliding_window=self.window,
-                              max_query_len=max(b.query_lens))  # fp32 [M, H, D]
+                              pool.page_size, sliding_window=self.window, max_query_len=max(b.query_lens),
+                              split_rows=alone)  # fp32 [M, H, D]
         if rotated:
             out = out @ rot.T
         return out.reshape(q.shape[0], -1)

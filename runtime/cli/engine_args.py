@@ -45,6 +45,9 @@ def add_kv_args(p: argparse.ArgumentParser, speculative_help: str = SPECULATIVE_
                    help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, or on CUDA a share "
                         f"of the free GPU memory like 90%% (default {memory})")
     p.add_argument("--speculative", default=None, metavar="SPEC", help=speculative_help)
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every decode step eagerly on CUDA (default: pure decode steps are replayed as CUDA "
+                        "graphs, one per batch-size bucket; see docs/engine.md)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -122,7 +125,8 @@ def engine_config(args, kv_memory: int | float, spec) -> EngineConfig:
     parse_speculative; flags a command does not take keep the defaults."""
     return EngineConfig(kv_format=args.kv_cache, kv_memory=kv_memory, speculative=spec,
                         max_num_seqs=getattr(args, "max_num_seqs", DEFAULTS.max_num_seqs),
-                        max_model_len=getattr(args, "ctx_size", None))
+                        max_model_len=getattr(args, "ctx_size", None),
+                        cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None)
 
 
 def load_model(ref, args, progress: bool | None = None):

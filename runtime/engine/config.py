@@ -25,6 +25,9 @@ class EngineConfig:
     exact: bool | None = None
     max_model_len: int | None = None  # prompt + reply, in tokens (None: the model's context)
     speculative: object | None = None  # engine/speculative.py SpecConfig
+    # decode steps replayed as CUDA graphs (engine/cuda_graphs.py): None where the model runs its fused
+    # attention on CUDA in one process, True the same but an error where it cannot, False always eager
+    cuda_graphs: bool | None = None
 
     def __post_init__(self):
         parse_kv_format(self.kv_format)  # a one-line ValueError for an unknown name

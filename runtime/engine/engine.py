@@ -24,6 +24,7 @@ import torch
 
 from lowbit.quant.kv import parse_kv_format
 from lowbit.runtime.engine.config import EngineConfig
+from lowbit.runtime.engine.cuda_graphs import decode_graphs
 from lowbit.runtime.engine.detokenizer import StreamDetokenizer
 from lowbit.runtime.engine.kv_cache import KVPool
 from lowbit.runtime.engine.pages import PageManager
@@ -89,8 +90,10 @@ class Engine:
         # model.kv_heads: the heads this process caches (all of them, or one tensor-parallel rank's share)
         self.pool = KVPool.from_budget(parse_kv_format(e.kv_format), c.n_layers, model.kv_heads, c.head_dim,
                                        kv_budget(e.kv_memory, model.device), e.page_size, model.device)
-        self.blocks = PageManager(self.pool.num_pages, e.page_size, e.prefix_caching)
-        self.runner = Runner(model, self.pool)
+        self.runner = Runner(model, self.pool, decode_graphs(model, self.pool, e, self.max_model_len))
+        # graphed decode steps pad with rows writing to the pool's last page: kept from every sequence
+        self.blocks = PageManager(self.pool.num_pages - (self.runner.graphs is not None), e.page_size,
+                                  e.prefix_caching)
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_step_tokens, e.max_waiting)
         self.requests: dict[str, _Request] = {}
         self._ids = 0
@@ -158,7 +161,7 @@ class Engine:
         b = self.blocks
         queried = max(1, b.prefix_queried_tokens)
         out = {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-               "pages_used": b.num_used_pages, "pages_free": b.num_free_pages, "pages_total": self.pool.num_pages,
+               "pages_used": b.num_used_pages, "pages_free": b.num_free_pages, "pages_total": b.num_pages,
                "prefix_hit_rate": b.prefix_hits_tokens / queried, "preemptions": self.scheduler.num_preemptions}
         if self.proposer is not None:
             out |= self.spec.as_dict()

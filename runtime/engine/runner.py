@@ -90,10 +90,14 @@ class Runner:
 
     model: object  # models.llama.Llama, or the tensor-parallel wrapper of runtime/engine/tp.py
     pool: object  # runtime.engine.kv_cache.KVPool
+    # runtime/engine/cuda_graphs.py DecodeGraphs: pure decode steps replayed as CUDA graphs (None: all eager)
+    graphs: object | None = None
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk], exact) -> torch.Tensor:
         """→ logits fp32 [R, V], one row per wanted position (see `prepare`); exact as
-        `Llama.forward_paged` takes it."""
+        `Llama.forward_paged` takes it. A step the graphs take gives the same logits as the eager one."""
+        if self.graphs is not None and self.graphs.eligible(chunks, exact):
+            return self.graphs.run(chunks)
         tokens, batch = prepare(chunks, self.model.device)
         return self.model.forward_paged(tokens, batch, self.pool, exact)
