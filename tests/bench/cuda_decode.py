@@ -1,7 +1,8 @@
-"""End-to-end decode on CUDA through the paged engine: prefill, batch-1 and batched decode, greedy replies.
+"""End-to-end decode on CUDA through the paged engine: prefill, decode with CUDA graphs against eager, greedy replies.
 
     python tests/bench/cuda_decode.py [--model PATH] [--dtype float16] [--prefill 128] [--steps 256]
-                                      [--batches 1,4,16] [--reps 3] [--gen-tokens 256] [--out DIR]
+                                      [--eager-steps 64] [--batches 1,4,16] [--reps 3] [--gen-tokens 256]
+                                      [--out DIR]
     TRITON_INTERPRET=1 python tests/bench/cuda_decode.py --smoke --device cpu      (CPU: code paths only)
 
 Model: with --model, that GGUF through lowbit.runtime.load.loader.load (which needs the gguf and
@@ -11,33 +12,41 @@ random weights (lowbit.models.synthetic): the GGUF (98 MB) cannot reach every GP
 decode speed depends only on shapes and layouts. The output says which one ran.
 
 Everything runs the paged path lowbit serves with (runtime/engine: the runner, the engine, its k8v4
-KV pool). There are no CUDA graphs on that path yet (they will live in the runner), so this script
-no longer compares CUDA graphs with eager launches. Measured, medians over --reps repetitions
-interleaved across the variants of each measurement, wall clock around device-synchronized calls:
+KV pool; pure decode steps replayed as CUDA graphs by runtime/engine/cuda_graphs.py unless
+EngineConfig(cuda_graphs=False)). Measured, medians over --reps repetitions interleaved across the
+variants of each measurement, wall clock around device-synchronized calls:
 - prefill: --prefill tokens per sequence as one chunk each through `Runner.run` into a fresh k8v4
   pool (the engine's prefill step less scheduling and sampling; prompt rows exact on CPU, as the
   engine runs them), batch 1 and batch max(--batches) in one forward each (ms, tok/s).
 - decode: B concurrent greedy requests (ignore_eos) in one Engine (k8v4, max_num_seqs
-  max(--batches)) on random --prefill-token prompts, prefilled untimed, then --steps timed
-  `engine.step()` calls (the sampled token goes to the host every step, as in serving): B = 1
-  (batch-1 decode, always measured) and every B in --batches; tok/s aggregate (tokens / seconds)
-  and ms per step.
+  max(--batches)) on random --prefill-token prompts, prefilled untimed, then timed `engine.step()`
+  calls (the sampled token goes to the host every step, as in serving): B = 1 (batch-1 decode,
+  always measured) and every B in --batches, each in two engines: EngineConfig(cuda_graphs=True)
+  (--steps steps; an error where the engine cannot graph) and cuda_graphs=False (eager,
+  --eager-steps steps: ~10x slower a step, and tok/s is a rate); tok/s aggregate (tokens / seconds),
+  ms per step, and the ratio graphs / eager per B. The script runs on a tree whose EngineConfig
+  lacks the field (it imports, and the CPU smoke runs eager only); on CUDA that is one ERROR line and
+  exit 1, the eager rows still measured.
 - generate, with a tokenizer (--model, or --smoke's byte tokenizer): one request of --gen-tokens
   tokens for PROMPT through runtime/cli/run.py's `_engine_run`, as `lowbit run --temperature 0`
   runs it (verified greedy: an f32 pool and the VERIFIED_GREEDY speculator, the exact model's
-  greedy reply drafted by the fast kernels) and as `--fast-greedy` does (plain greedy, k8v4); decode
-  tok/s and TTFT as its GenerationResult reports them, and verified greedy's draft acceptance.
+  greedy reply drafted by the fast kernels) and as `--fast-greedy` does (plain greedy, k8v4), both
+  with the engine's default cuda_graphs (None: graphed where it can be — plain greedy; speculative
+  steps run eager); decode tok/s and TTFT as its GenerationResult reports them, and verified
+  greedy's draft acceptance.
 Each measurement first runs an untimed warm-up of every form it times (compiles the Triton kernels);
 --compile-only runs only those warm-ups (gpu_check.sh fills Triton's disk cache with it).
 --budget-s: no measurement or repetition starts after that many seconds; skipped ones are listed,
 exit status 3. --smoke: a 2-layer dim-64 vocab-256 model, 8-token prefill, 4 steps, batches 1 and 2,
 one rep, no warm-ups (--compile-only --smoke runs them), and generate with a byte tokenizer, PROMPT's
-first 8 bytes and 8 tokens.
+first 8 bytes and 8 tokens; on the CPU the "graphs" engine gets cuda_graphs=None (eager there: the
+code path only).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import statistics
@@ -71,6 +80,19 @@ SYNTHETIC = ("SYNTHETIC weights (seeded random; SmolLM2-135M-Instruct's shapes a
 KV, PAGE = "k8v4", 16  # the engine's default KV format and page size
 VERIFIED_KV = "f32"  # what `lowbit run --temperature 0` pools verified greedy in (runtime/cli/run.py)
 MODES = {"greedy": (KV, None), "verified greedy": (VERIFIED_KV, VERIFIED_GREEDY)}  # generate: name → (kv, spec)
+GRAPH_MODES = {"graphs": True, "eager": False}  # decode: name → EngineConfig.cuda_graphs
+HAS_GRAPHS_FIELD = "cuda_graphs" in {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def engine_config(cuda_graphs: bool, device: torch.device, **fields) -> EngineConfig:
+    """EngineConfig(cuda_graphs=..., **fields). Off CUDA, True becomes None (eager there: a smoke run's
+    code path). A tree without the field: eager is all there is; on CUDA asking for graphs is an error."""
+    if not HAS_GRAPHS_FIELD:
+        if cuda_graphs and device.type == "cuda":
+            raise RuntimeError("EngineConfig has no cuda_graphs field in this tree (runtime/engine/config.py): "
+                               "the CUDA-graph decode cannot be measured")
+        return EngineConfig(**fields)
+    return EngineConfig(cuda_graphs=None if cuda_graphs and device.type != "cuda" else cuda_graphs, **fields)
 
 
 class SmokeBytes:
@@ -149,8 +171,9 @@ class Bench:
         self.vocab = model.config.vocab_size if tokenizer is None else min(model.config.vocab_size,
                                                                           tokenizer.vocab_size)
         self.decode_sizes = sorted({1} | set(a.batches))
-        self.res: dict = {"prefill": [], "decode": [], "generate": [], "errors": [], "skipped": []}
-        self._engine = None
+        self.res: dict = {"prefill": [], "decode": [], "decode_ratio": [], "generate": [], "errors": [],
+                          "skipped": []}
+        self._engines: dict[str, Engine] = {}  # GRAPH_MODES name → its engine
         # the warm-ups compile; --smoke (nothing timed for real) skips them, --compile-only runs only them
         self.warm = a.compile_only or not a.smoke
 
@@ -231,19 +254,37 @@ class Bench:
 
     # ---- decode: engine steps ----------------------------------------------------------------
 
-    def engine(self) -> Engine:
-        """One engine for every decode run: k8v4, room for max(B) sequences of prompt + steps with
-        slack, prefix caching off (the prompts are random; no earlier run's pages wait to be evicted)."""
-        if self._engine is None:
+    def engine(self, mode: str) -> Engine:
+        """One engine per GRAPH_MODES name for every decode run: k8v4, room for max(B) sequences of
+        prompt + steps with slack, prefix caching off (the prompts are random; no earlier run's pages
+        wait to be evicted)."""
+        if mode not in self._engines:
             a, B = self.a, max(self.decode_sizes)
-            config = EngineConfig(kv_format=KV, kv_memory=kv_bytes(KV, self.model, B, 2 * a.prefill + a.steps + 32),
-                                  page_size=PAGE, max_num_seqs=B, prefix_caching=False)
-            self._engine = Engine(self.model, self.tokenizer or TokenIds(self.vocab), config)
-        return self._engine
+            tokens = 2 * a.prefill + max(a.steps, a.eager_steps) + 32
+            config = engine_config(GRAPH_MODES[mode], self.device, kv_format=KV, page_size=PAGE, max_num_seqs=B,
+                                   kv_memory=kv_bytes(KV, self.model, B, tokens), prefix_caching=False)
+            self._engines[mode] = Engine(self.model, self.tokenizer or TokenIds(self.vocab), config)
+        return self._engines[mode]
 
-    def decode_run(self, B: int, steps: int, seed: int) -> dict:
+    def decode_modes(self) -> list[str]:
+        """The GRAPH_MODES whose engine can be built; an engine that cannot is one error line."""
+        modes = []
+        for mode in GRAPH_MODES:
+            if mode == "graphs" and not HAS_GRAPHS_FIELD and self.device.type != "cuda":
+                continue  # CPU, a tree without the field: eager only
+            try:
+                self.engine(mode)
+                modes.append(mode)
+            except Exception as e:  # noqa: BLE001 - the other mode is still worth measuring
+                msg = f"decode {mode}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                if msg not in self.res["errors"]:
+                    self.res["errors"].append(msg)
+                print(f"{msg}: FAILED", file=sys.stderr, flush=True)  # again as ERROR at the end
+        return modes
+
+    def decode_run(self, mode: str, B: int, steps: int, seed: int) -> dict:
         """B requests prefilled untimed, then `steps` timed engine steps → tok/s, ms/step."""
-        a, engine = self.a, self.engine()
+        a, engine = self.a, self.engine(mode)
         g = torch.Generator().manual_seed(seed)
         # more tokens than the timed steps: a request that started decoding while others still
         # prefilled keeps decoding through every timed step; the rest is aborted afterwards
@@ -272,28 +313,41 @@ class Bench:
 
     def decode(self, warm_only: bool = False) -> None:
         a = self.a
+        modes = self.decode_modes()
+        steps = {"graphs": a.steps, "eager": a.eager_steps}
         if self.warm:
-            for B in self.decode_sizes:
-                self.decode_run(B, 2, a.seed)  # warm-up: compiles every step shape of this B
+            for mode in modes:
+                for B in self.decode_sizes:
+                    self.decode_run(mode, B, 2, a.seed)  # warm-up: compiles (and captures) every step shape of B
         if warm_only:
             return
         rounds = iter(range(1, 1 << 30))  # a fresh seed per run: no two runs share a prompt
-        samples = self.interleaved("decode", {B: (lambda B=B: self.decode_run(B, a.steps, a.seed + next(rounds)))
-                                              for B in self.decode_sizes})
-        for B, s in samples.items():
-            tok_s = statistics.median(x["tok_s"] for x in s)
-            self.res["decode"].append({"B": B, "steps": a.steps, "tok_s": tok_s, "steps_s": tok_s / B,
-                                       "ms_per_step": 1e3 * B / tok_s, "context_start": s[0]["context"],
+        samples = self.interleaved("decode", {
+            (B, mode): (lambda B=B, mode=mode: self.decode_run(mode, B, steps[mode], a.seed + next(rounds)))
+            for B in self.decode_sizes for mode in modes})
+        tok_s = {}
+        for (B, mode), s in samples.items():
+            tok_s[B, mode] = t = statistics.median(x["tok_s"] for x in s)
+            graphed = getattr(self._engines[mode].runner, "graphs", None) is not None
+            self.res["decode"].append({"B": B, "mode": mode, "cuda_graphs": GRAPH_MODES[mode], "graphed": graphed,
+                                       "steps": steps[mode], "tok_s": t, "steps_s": t / B, "ms_per_step": 1e3 * B / t,
+                                       "context_start": s[0]["context"],
                                        "samples_tok_s": [round(x["tok_s"], 1) for x in s]})
             what = "" if B == 1 else " aggregate"
-            print(f"decode B={B}: {tok_s:.1f} tok/s{what} ({1e3 * B / tok_s:.3f} ms/step)", flush=True)
-        if self._engine is not None:
-            self.res["decode_preemptions"] = self._engine.stats()["preemptions"]
+            print(f"decode B={B} {mode}: {t:.1f} tok/s{what} ({1e3 * B / t:.3f} ms/step, {steps[mode]} steps"
+                  f"{'' if graphed or mode == 'eager' else ', NOT graphed'})", flush=True)
+        for B in self.decode_sizes:
+            if (B, "graphs") in tok_s and (B, "eager") in tok_s:
+                r = tok_s[B, "graphs"] / tok_s[B, "eager"]
+                self.res["decode_ratio"].append({"B": B, "graphs_tok_s": tok_s[B, "graphs"],
+                                                 "eager_tok_s": tok_s[B, "eager"], "ratio": r})
+                print(f"decode B={B} graphs/eager: {r:.2f}x", flush=True)
+        self.res["decode_preemptions"] = sum(e.stats()["preemptions"] for e in self._engines.values())
 
     # ---- generate: one request as `lowbit run` runs it ---------------------------------------
 
     def generate_run(self, mode: str, ids: list[int], n: int):
-        kv, spec = MODES[mode]
+        kv, spec = MODES[mode]  # EngineConfig's default cuda_graphs, as `lowbit run` has it
         config = EngineConfig(kv_format=kv, kv_memory=kv_bytes(kv, self.model, 1, len(ids) + n + 32),
                               page_size=PAGE, speculative=spec)
         lm_like = SimpleNamespace(model=self.model, tokenizer=self.tokenizer)
@@ -342,16 +396,23 @@ def markdown(res: dict) -> str:
     lines = [f"# lowbit decode (paged engine), {m['device']}", "", f"**Weights: {m['weights']}**", "",
              (f"torch {m['torch']}, triton {m['triton']}, backend {m['backend']}, activations {m['dtype']}; "
               f"config {m['config']}; KV {KV} (verified greedy: {VERIFIED_KV}), page {PAGE}; prefill {m['prefill']} "
-              f"tokens, {m['steps']} decode steps, median of {m['reps']} interleaved reps. No CUDA graphs "
-              "(the paged path has none yet)."), "",
+              f"tokens, {m['steps']} decode steps with CUDA graphs, {m['eager_steps']} eager, median of "
+              f"{m['reps']} interleaved reps. Prefill: eager (never graphed); generate: the engine's default "
+              "cuda_graphs."), "",
              "## Prefill (runner, fresh pool)", "", "| B | tokens | ms | tok/s | samples ms |",
              "|---:|---:|---:|---:|---|"]
     lines += [f"| {r['B']} | {r['tokens']} | {r['ms']:.2f} | {r['tok_s']:.0f} | {r['samples_ms']} |"
               for r in res["prefill"]]
     lines += ["", "## Decode (engine steps, B concurrent greedy requests)", "",
-              "| B | tok/s (aggregate) | ms/step | context at start | samples tok/s |", "|---:|---:|---:|---:|---|"]
-    lines += [f"| {r['B']} | {r['tok_s']:.1f} | {r['ms_per_step']:.3f} | {r['context_start']} | "
-              f"{r['samples_tok_s']} |" for r in res["decode"]]
+              "| B | engine | graphed | steps | tok/s (aggregate) | ms/step | context at start | samples tok/s |",
+              "|---:|---|---|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['B']} | cuda_graphs={r['cuda_graphs']} | {'yes' if r['graphed'] else 'no'} | {r['steps']} | "
+              f"{r['tok_s']:.1f} | {r['ms_per_step']:.3f} | {r['context_start']} | {r['samples_tok_s']} |"
+              for r in res["decode"]]
+    if res["decode_ratio"]:
+        lines += ["", "| B | graphs tok/s | eager tok/s | graphs / eager |", "|---:|---:|---:|---:|"]
+        lines += [f"| {r['B']} | {r['graphs_tok_s']:.1f} | {r['eager_tok_s']:.1f} | {r['ratio']:.2f}x |"
+                  for r in res["decode_ratio"]]
     if res.get("decode_preemptions"):
         lines += ["", f"Preemptions during the decode runs: {res['decode_preemptions']} (the pool was short)."]
     lines += ["", "## Generate (`_engine_run`, one request)", ""]
@@ -376,7 +437,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda[:N] | cpu")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"], help="CUDA activations")
     ap.add_argument("--prefill", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=256, help="timed decode steps with CUDA graphs (default 256)")
+    ap.add_argument("--eager-steps", type=int, default=64, help="timed decode steps of the eager engine (default 64)")
     ap.add_argument("--batches", default="1,4,16", help="concurrent requests for the decode, comma list")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gen-tokens", type=int, default=256)
@@ -389,23 +451,24 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: unwind, so the outputs get written
     if a.smoke:
-        a.prefill, a.steps, a.batches, a.reps, a.gen_tokens = 8, 4, "1,2", 1, 8
+        a.prefill, a.steps, a.eager_steps, a.batches, a.reps, a.gen_tokens = 8, 4, 4, "1,2", 1, 8
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda, but torch sees no CUDA GPU (CPU smoke: TRITON_INTERPRET=1 ... --smoke --device cpu)")
     if interpreting() and a.dtype == "bfloat16":
         sys.exit("Triton's interpreter computes bf16 tl.dot wrongly (tests/conftest.py); use --dtype float16")
     a.batches = sorted({int(b) for b in a.batches.split(",") if b})
-    if not a.batches or a.batches[0] < 1 or a.prefill < 1 or a.steps < 1 or a.reps < 1 or a.gen_tokens < 1:
-        sys.exit("--batches, --prefill, --steps, --reps and --gen-tokens must be >= 1")
+    if not a.batches or a.batches[0] < 1 or min(a.prefill, a.steps, a.eager_steps, a.reps, a.gen_tokens) < 1:
+        sys.exit("--batches, --prefill, --steps, --eager-steps, --reps and --gen-tokens must be >= 1")
     torch.manual_seed(a.seed)
 
     t_start = t0 = time.perf_counter()
     model, tokenizer, weights = build(a, device)
     print(f"model built in {time.perf_counter() - t0:.1f} s. {weights}", flush=True)
     c = model.config
-    if 2 * a.prefill + a.steps + 16 > c.max_seq_len:
-        sys.exit(f"--prefill {a.prefill} and --steps {a.steps} need a context of {2 * a.prefill + a.steps + 16}; "
+    need = 2 * a.prefill + max(a.steps, a.eager_steps) + 16
+    if need > c.max_seq_len:
+        sys.exit(f"--prefill {a.prefill} and --steps {a.steps} need a context of {need}; "
                  f"the model's is {c.max_seq_len}")
     b = Bench(a, device, model, tokenizer, t_start)
     res = b.res
@@ -413,8 +476,9 @@ def main(argv=None) -> int:
                    f"cpu ({'Triton interpreter' if interpreting() else 'torch kernels'})",
                    "torch": torch.__version__, "triton": getattr(triton, "__version__", "-"), "dtype": a.dtype,
                    "weights": weights, "synthetic": not a.model, "prefill": a.prefill, "steps": a.steps,
+                   "eager_steps": a.eager_steps, "engine_has_cuda_graphs": HAS_GRAPHS_FIELD,
                    "batches": a.batches, "reps": a.reps, "gen_tokens": a.gen_tokens, "smoke": a.smoke,
-                   "backend": model.backend.name, "kv": KV, "page_size": PAGE, "cuda_graphs": False,
+                   "backend": model.backend.name, "kv": KV, "page_size": PAGE,
                    "config": {k: getattr(c, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                                          "hidden_dim", "vocab_size", "tie_embeddings")}}
 

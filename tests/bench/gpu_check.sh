@@ -3,18 +3,21 @@
 #   a. environment (nvidia-smi, python/torch/triton)             -> env.txt
 #   b. the package installed without network (pip -e, else a PYTHONPATH shim) -> install.txt
 #   c. the gpu-marked tests                                        -> pytest_gpu.txt, pytest_gpu.xml
-#      (meanwhile d's and e's kernels compile in the background    -> warm_*.txt)
-#   d. the weight-only matmul microbenchmark + config sweep        -> gpu_kernels.{md,json,txt}
-#   e. end-to-end decode through the engine, batch sizes, verified greedy -> cuda_decode.{md,json,txt}
+#      (meanwhile d's, e's and f's kernels compile in the background -> warm_*.txt)
+#   d. the weight-only matmul microbenchmark (L2-cold graphs) + config sweep -> gpu_kernels.{md,json,txt}
+#   e. decode attention: paged (k8v4, f16, k8v8) vs f16 SDPA       -> gpu_attention.{md,json,txt}
+#   f. end-to-end decode through the engine, CUDA graphs vs eager, batch sizes -> cuda_decode.{md,json,txt}
 #
 #   bash tests/bench/gpu_check.sh [RESULTS_DIR]        (default: $OUT, else gpu_results)
 #
 # Keeps going past a failing step and exits 1 at the end if any step failed or was skipped (a
 # benchmark that had to skip measurements for its time budget exits 3: a failed step too).
-# Time: the whole run stays under GPU_CHECK_BUDGET_S (default 230 s, i.e. < 4 minutes): each step's
-# timeout is the smaller of its own cap and what is left after a reserve for the steps after it,
-# and the benchmarks get --budget-s so they stop starting measurements, and still write their
-# outputs, before the timeout would kill them.
+# Time: the whole run stays under GPU_CHECK_BUDGET_S (default 270 s, 4.5 minutes; the device's call
+# limit is 600 s): each step's timeout is the smaller of its own cap and what is left after a reserve
+# for the steps after it, and the benchmarks get --budget-s so they stop starting measurements, and
+# still write their outputs, before the timeout would kill them. Expected on an H200 with the tests
+# taking ~60-100 s: env + install ~15 s, tests (compiles of d-f beside them), d ~50 s, e ~25 s,
+# f ~50 s; the caps (150 / 90 / 45 / 90 s) are what each may take when the others leave it room.
 # Optional: wheels in .whl/ (e.g. gguf, platformdirs) are installed to /tmp/site first;
 # GPU_CHECK_GGUF=path.gguf makes cuda_decode.py load that model instead of synthetic weights.
 set -uo pipefail
@@ -22,7 +25,7 @@ set -uo pipefail
 PY="${PYTHON:-python3}"
 RESULTS="${1:-${OUT:-gpu_results}}"
 mkdir -p "$RESULTS" && RESULTS="$(cd "$RESULTS" && pwd)"
-BUDGET="${GPU_CHECK_BUDGET_S:-230}"
+BUDGET="${GPU_CHECK_BUDGET_S:-270}"
 START=$SECONDS
 SUMMARY="$RESULTS/summary.txt"
 : >"$SUMMARY"
@@ -111,12 +114,14 @@ fi
 MODEL=()
 [[ -n "${GPU_CHECK_GGUF:-}" ]] && MODEL=(--model "$GPU_CHECK_GGUF")
 
-# Triton compiles are CPU-bound and d and e need ~100 of them: fill Triton's disk cache for d and e
+# Triton compiles are CPU-bound and d-f need ~150 of them: fill Triton's disk cache for d, e and f
 # in the background while c runs (c only checks results, so sharing the machine costs it nothing).
 WARM=()
-tw=$(cap 120 80)
+tw=$(cap 120 130)
 if ((tw >= 10)); then
     timeout -k 5 "$tw" "$PY" tests/bench/gpu_kernels.py --sweep --compile-only >"$RESULTS/warm_gpu_kernels.txt" 2>&1 &
+    WARM+=($!)
+    timeout -k 5 "$tw" "$PY" tests/bench/gpu_attention.py --compile-only >"$RESULTS/warm_gpu_attention.txt" 2>&1 &
     WARM+=($!)
     timeout -k 5 "$tw" "$PY" tests/bench/cuda_decode.py --compile-only ${MODEL[@]+"${MODEL[@]}"} \
         >"$RESULTS/warm_cuda_decode.txt" 2>&1 &
@@ -129,29 +134,37 @@ mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" tests/test_*.py)
 # each kernel specialization compiles once (~1 s of host CPU): spread the tests over processes
 XDIST=()
 "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 6)
-step "pytest -m gpu (${#GPU_TESTS[@]} files)" "$RESULTS/pytest_gpu.txt" "$(cap 150 80)" \
+step "pytest -m gpu (${#GPU_TESTS[@]} files)" "$RESULTS/pytest_gpu.txt" "$(cap 150 130)" \
     "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors ${XDIST[@]+"${XDIST[@]}"} \
     --junitxml="$RESULTS/pytest_gpu.xml" "${GPU_TESTS[@]}"
 t0=$SECONDS
 ((${#WARM[@]})) && wait "${WARM[@]}"
 echo "compile warm-up: waited $((SECONDS - t0))s more; $(tail -n 1 "$RESULTS/warm_gpu_kernels.txt" 2>/dev/null)" \
+    "| $(tail -n 1 "$RESULTS/warm_gpu_attention.txt" 2>/dev/null)" \
     "| $(tail -n 1 "$RESULTS/warm_cuda_decode.txt" 2>/dev/null)" | tee -a "$SUMMARY"
 
-# d. microbenchmark (+ sweep with whatever its budget leaves)
-t=$(cap 90 50)
+# d. microbenchmark, L2-cold graph replays (+ sweep with whatever its budget leaves); reserve: e and f
+t=$(cap 90 70)
 step "gpu_kernels.py" "$RESULTS/gpu_kernels.txt" "$t" \
-    "$PY" tests/bench/gpu_kernels.py --out "$RESULTS" --graphs --sweep --budget-s $((t > 30 ? t - 20 : 10))
+    "$PY" tests/bench/gpu_kernels.py --out "$RESULTS" --graphs --sweep --budget-s $((t > 30 ? t - 15 : 10))
 
-# e. end-to-end decode
-t=$(cap 120 3)
+# e. decode attention; reserve: f
+t=$(cap 45 40)
+step "gpu_attention.py" "$RESULTS/gpu_attention.txt" "$t" \
+    "$PY" tests/bench/gpu_attention.py --out "$RESULTS" --budget-s $((t > 25 ? t - 12 : 10))
+
+# f. end-to-end decode, CUDA graphs vs eager
+t=$(cap 90 3)
 step "cuda_decode.py" "$RESULTS/cuda_decode.txt" "$t" \
     "$PY" tests/bench/cuda_decode.py --out "$RESULTS" --budget-s $((t > 40 ? t - 25 : 15)) ${MODEL[@]+"${MODEL[@]}"}
 
 echo
 echo "=== summary ($((SECONDS - START))s) ==="
 {
-    grep -hE '^(PASS|MISS|N/A|INCOMPLETE|correctness|FAILED)' "$RESULTS/gpu_kernels.txt" 2>/dev/null
+    grep -hE '^(PASS|MISS|N/A|INCOMPLETE|correctness|FAILED|ERROR)' "$RESULTS/gpu_kernels.txt" 2>/dev/null
     grep -hE '^sweep ' "$RESULTS/gpu_kernels.txt" 2>/dev/null
+    grep -hE '^(attention |correctness|INCOMPLETE|FAILED|ERROR)' "$RESULTS/gpu_attention.txt" 2>/dev/null |
+        sed 's/^/gpu_attention: /'
     grep -hE '^(decode B=|generate |prefill |ERROR|INCOMPLETE|SYNTHETIC)' "$RESULTS/cuda_decode.txt" 2>/dev/null
     tail -n 1 "$RESULTS/pytest_gpu.txt" 2>/dev/null
 } | tee -a "$SUMMARY"

@@ -1,27 +1,40 @@
 """lowbit's weight-only matmul (kernels/wq_mm.py) vs torch F.linear (cuBLAS) on Llama-7B layers, one GPU.
 
     python tests/bench/gpu_kernels.py [--layouts int4-g128,...] [--shapes 4096x4096,...] [--m 1,4,16]
-                                      [--dtype bfloat16] [--peak-gbs 4800] [--sweep] [--out DIR]
+                                      [--dtype bfloat16] [--peak-gbs 4800] [--graphs] [--sweep] [--out DIR]
     TRITON_INTERPRET=1 python tests/bench/gpu_kernels.py --smoke      (CPU: code paths only, no timing)
 
 Shapes are OUTxIN, written like torch's weight.shape [N, K]: N = out_features (columns of y),
-K = in_features (the reduced dimension). 4096x4096 = q/k/v/o (out 4096, in 4096); 11008x4096 =
-gate/up (out 11008, in 4096); 4096x11008 = down (out 4096, in 11008); 32000x4096 = LM head
-(out 32000, in 4096). M = rows of x (tokens): 1-16 is decode, 2048 a prefill chunk.
+K = in_features (the reduced dimension). The default set is what lowbit runs for a Llama-7B-shaped
+model: 4096x4096 (o, and q/k/v apart), 12288x4096 (q, k, v fused), 11008x4096 (gate or up apart),
+22016x4096 (gate + up fused), 4096x11008 (down), 128256x4096 (a Llama-3-sized LM head; 32000x4096 is
+Llama-2's, by --shapes). M = rows of x (tokens): 1-16 is decode, 64-2048 prefill.
 
-Each row: y[M, N] = x[M, K] @ W^T with x in --dtype, W in one lowbit layout (packed words on the
-device, random but valid: every int32 word is 8 int4 codes), timed by triton.testing.do_bench
-(median of its reps, L2 cleared before each rep), against torch F.linear(x, W) with W in --dtype
-(cuBLAS), timed the same way (once per shape and M). lowbit's time is the whole wq_mm call, as the
-model pays it (split-K: also its reduction kernel; prefill "dequant": also writing its W^T copy).
-GB/s counts the bytes a call must move at least: packed weight + scales (+ mins) + x + y. TFLOP/s = 2*M*N*K / time. % peak = GB/s / --peak-gbs
-(default by GPU name: H200 4800, H100 SXM 3350, otherwise none). Every layout and shape is checked
-against wq_mm_ref (fp32) at --check-m rows; a wrong result exits 1 after the table.
---sweep times a few LaunchConfigs on 4096x4096 int4-g128 for M = 1, 16, 2048 (input for
-choose_config), the kernel forms among them (LaunchConfig.form: "nib", "nibswap", "dot", "swap",
-"dequant"). --precompile N compiles the kernels in N worker processes before timing (Triton's
-disk cache), so a fresh machine spends seconds, not minutes, compiling. --budget-s stops starting
-new rows when exceeded (the outputs then say which rows were skipped, and the exit status is 3).
+Each row: y[M, N] = x[M, K] @ W^T with x in --dtype, W in one lowbit layout (random codes and scales
+drawn on the device, packed by the loader's wq_pack_int4 / wq_pack_int8), against torch F.linear(x, W)
+with W in --dtype (cuBLAS), timed the same way (once per shape and M). lowbit's time is the whole
+wq_mm call, as the model pays it (split-K: also its reduction kernel; prefill "dequant": also writing
+its W^T copy). Timing, both sides alike:
+- --graphs (what gpu_check.sh runs): the calls replayed from one CUDA graph, so the time is the GPU's
+  alone, as in the model's graphed decode (a wq_mm call's Python launch costs ~0.1 ms, more than its
+  kernels at decode sizes). L2-cold: the graph cycles through several copies of the weight (lowbit's
+  packed copies and torch's bf16 copies alike), together >= 3x the L2 (H100/H200: 50 MB; at least 2
+  copies, at most --max-copies), so no call finds its weight in L2, as none does in a model, whose
+  other layers' weights pass through L2 between two calls of a layer. 4096x4096: int4-g128 8.4 MB a
+  copy, 18 copies; bf16 32 MiB, 5; the 128256x4096 LM head: 2 copies each (bf16 1.05 GB a copy).
+  Median over replays of replay time / calls in the graph.
+- otherwise triton.testing.do_bench's median (L2 cleared before each rep by do_bench itself).
+Decode rows (M <= 16) run first for every shape and layout, prefill rows after, so a time budget cut
+drops prefill rows first. GB/s counts the bytes a call must move at least: packed weight + scales
+(+ mins) + x + y. TFLOP/s = 2*M*N*K / time. % peak = GB/s / --peak-gbs (default by GPU name: H200
+4800, H100 SXM 3350, otherwise none). Every layout and shape is checked against wq_mm_ref (fp32) at
+--check-m rows; a wrong result exits 1 after the table.
+--sweep times LaunchConfigs around choose_config's pick on 4096x4096 int4-g128 for M = 1, 16, 2048
+(input for choose_config): the other forms (wq_mm.FORMS), split-K or row-tile height, then pipeline
+stages, over whichever of those fields LaunchConfig has, with the same timing. --precompile N
+compiles the kernels in N worker processes before timing (Triton's disk cache), so a fresh machine
+spends seconds, not minutes, compiling. --budget-s stops starting new rows when exceeded (the
+outputs then say which rows were skipped, and the exit status is 3).
 """
 
 from __future__ import annotations
@@ -35,8 +48,9 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from functools import partial
+from math import ceil
 from pathlib import Path
 
 import torch
@@ -45,6 +59,7 @@ import torch.nn.functional as F
 from lowbit.kernels.triton_import import interpreting, triton
 from lowbit.kernels.wq_mm import (
     DECODE_MAX_ROWS,
+    FORMS,
     LaunchConfig,
     WQPacked,
     choose_config,
@@ -55,9 +70,13 @@ from lowbit.kernels.wq_mm import (
 )
 from lowbit.quant import Int4Weight, parse_weights, quantize_weight
 
-LAYERS = {(4096, 4096): "q/k/v/o", (11008, 4096): "gate/up", (4096, 11008): "down", (32000, 4096): "lm_head"}
+# (N out, K in) → layer; the first six are the default --shapes (Llama-7B's layers as lowbit runs them)
+LAYERS = {(4096, 4096): "o/q/k/v", (12288, 4096): "qkv", (11008, 4096): "gate/up", (22016, 4096): "gate+up",
+          (4096, 11008): "down", (128256, 4096): "lm_head", (32000, 4096): "lm_head 32k"}
+SHAPES = tuple(LAYERS)[:6]
 LAYOUTS = ("int4-g128", "int4-sym-g128", "int4-g32", "int8-g32", "int8")
-MS = (1, 4, 16, 64, 256, 2048)
+MS = (1, 2, 4, 8, 16, 64, 256, 2048)
+L2_DEFAULT = 50 << 20  # H100 / H200 L2, where the device does not report its own
 SWEEP = ("int4-g128", 4096, 4096, (1, 16, 2048))  # layout, N, K, M values
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -72,9 +91,10 @@ def peak_gbs_for(name: str) -> float | None:
 
 
 def build_weight(layout: str, N: int, K: int, device: torch.device, seed: int, quantized: bool) -> WQPacked:
-    """quantized: lowbit.quant's quantizer and the loader's pack functions on the CPU (the real path,
-    slow for 7B shapes). Otherwise the packed form drawn directly on the device: a valid layout,
-    since any int32 word is 8 codes 0..15 and any int8 in -127..127 is a code."""
+    """quantized: lowbit.quant's quantizer on the CPU (the real path, slow for 7B shapes). Otherwise
+    random codes and scales drawn on the device in quant's row-major layout (any code 0..15 or
+    -127..127 is valid). Both through the loader's pack functions, so the bench times whatever
+    layout wq_pack_* makes (packing runs on the device: transient memory of a few times the codes)."""
     spec = parse_weights(layout)
     g = torch.Generator(device=device if not quantized else "cpu").manual_seed(seed)
     if quantized:
@@ -85,63 +105,123 @@ def build_weight(layout: str, N: int, K: int, device: torch.device, seed: int, q
     group = spec.group_size or K
     Kp = -(-K // group) * group
     G = Kp // group
-    rand = lambda *s: torch.rand(*s, generator=g, device=device)
+    rand = lambda *s: torch.rand(*s, generator=g, device=device)  # noqa: E731
     if spec.bits == 4:
-        words = torch.randint(0, 2**32, (Kp // 8, N), generator=g, device=device, dtype=torch.int64)  # [Kp/8, N]
-        q = (words - 2**31).to(torch.int32)
-        scales = (rand(G, N) * 0.004 + 0.001).half()  # [G, N]
-        mins = None if spec.symmetric else (-7.5 * scales.float() * (0.8 + 0.4 * rand(G, N))).half()
-        return WQPacked(q, scales, mins, 4, group, K)
-    q = torch.randint(-127, 128, (Kp, N), generator=g, device=device, dtype=torch.int8)  # [Kp, N]
-    scales = rand(G, N) * 2e-4 + 5e-5  # fp32 [1, N] per channel, else fp16 [G, N]
-    return WQPacked(q, scales if spec.group_size == 0 else scales.half(), None, 8, group, K)
+        codes = torch.randint(0, 16, (N, Kp), generator=g, device=device, dtype=torch.uint8)  # [N, Kp]
+        scales = (rand(N, G) * 0.004 + 0.001).half()  # [N, G]
+        mins = None if spec.symmetric else (-7.5 * scales.float() * (0.8 + 0.4 * rand(N, G))).half()
+        return wq_pack_int4(codes, scales, mins, group, K)
+    q = torch.randint(-127, 128, (N, Kp), generator=g, device=device, dtype=torch.int8)  # [N, Kp]
+    scales = rand(N, G) * 2e-4 + 5e-5  # fp32 [N, 1] per channel, else fp16 [N, G]
+    return wq_pack_int8(q, scales if spec.group_size == 0 else scales.half(), K)
+
+
+def tensors_of(w: WQPacked) -> dict[str, torch.Tensor]:
+    """The packed weight's tensors by field name (whatever fields WQPacked has)."""
+    return {f.name: t for f in fields(w) if isinstance(t := getattr(w, f.name), torch.Tensor)}
 
 
 def packed_bytes(w: WQPacked) -> int:
-    return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.mins) if t is not None)
+    return sum(t.numel() * t.element_size() for t in tensors_of(w).values())
+
+
+def clone_packed(w: WQPacked) -> WQPacked:
+    """Another copy of w in its own memory (the L2-cold rotation needs distinct addresses, not values);
+    dict fields (wq_mm's per-weight split-K workspaces) start empty, as each layer's own would."""
+    fresh = {f.name: {} for f in fields(w) if f.init and isinstance(getattr(w, f.name), dict)}
+    return replace(w, **{name: t.clone() for name, t in tensors_of(w).items()}, **fresh)
+
+
+def n_copies(nbytes: int, l2_bytes: int, cap: int) -> int:
+    """Copies of an nbytes weight that together hold >= 3x the L2: at least 2, at most cap."""
+    return max(2, min(cap, ceil(3 * l2_bytes / max(nbytes, 1))))
 
 
 def cfg_str(c: LaunchConfig) -> str:
-    return (f"{c.form} bm{c.block_m} bn{c.block_n} bk{c.block_k} sk{c.split_k} gm{c.group_m} w{c.num_warps}"
-            f" s{c.num_stages}")
+    """form first, then every other field by CONFIG_ABBR (e.g. "mma bm16 sk8 s1 bn64 w4")."""
+    d = asdict(c)
+    return " ".join([str(d.pop("form", ""))] + [f"{CONFIG_ABBR.get(k, k + '=')}{v}" for k, v in d.items()]).strip()
 
 
-def bench_ms(fn, device: torch.device, warmup: int, rep: int, graphs: bool = False) -> float:
-    """do_bench's median on CUDA (its L2 flush included); one perf_counter call elsewhere (smoke).
-    graphs: do_bench_cudagraph instead — the call replayed from a CUDA graph, so the time is the GPU's
-    alone, as in the model's graphed decode; without it a call whose kernels take less time than its
-    Python launch costs (~0.1 ms for wq_mm measured on the H200) is timed at the launch cost."""
+def graph_ms(calls: list, target_ms: float, replays: int = 10) -> float:
+    """GPU ms per call of `calls` (one zero-argument callable per weight copy), captured round-robin
+    into one CUDA graph of n calls (a multiple of len(calls), ~target_ms of eager time, 1..4096);
+    the median over `replays` replays of replay time / n. The eager estimate is an upper bound (it
+    includes the Python launch), so a launch-bound call gets fewer calls per graph, never too many."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        for call in calls:  # warm-up on the capture stream: compiles, cuBLAS handles and workspaces
+            call()
+        start.record()
+        for call in calls:
+            call()
+        end.record()
+        end.synchronize()
+        est = max(start.elapsed_time(end) / len(calls), 1e-3)
+        rounds = max(1, min(4096 // len(calls), round(target_ms / est / len(calls))))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(rounds):
+                for call in calls:
+                    call()
+        graph.replay()  # the first replay uploads the graph
+        times = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / (rounds * len(calls)))
+    del graph
+    return statistics.median(times)
+
+
+def bench_ms(calls: list, device: torch.device, warmup: int, rep: int, graphs: bool = False) -> float:
+    """calls: one zero-argument callable per weight copy (the same work on different memory).
+    graphs: graph_ms over all of them (GPU time, L2-cold by rotation, ~rep ms of replays); else
+    do_bench's median of the first (its own L2 flush per rep); one perf_counter call elsewhere (smoke,
+    every copy run once first)."""
     if device.type != "cuda":
-        fn()
+        for call in calls:
+            call()
         t0 = time.perf_counter()
-        fn()
+        calls[0]()
         return (time.perf_counter() - t0) * 1e3
-    from triton.testing import do_bench, do_bench_cudagraph
-
     if graphs:
-        return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+        return graph_ms(calls, rep / 10)
+    from triton.testing import do_bench
+
     median = ({"return_mode": "median"} if "return_mode" in inspect.signature(do_bench).parameters
               else {"quantiles": [0.5]})
-    r = do_bench(fn, warmup=warmup, rep=rep, **median)
+    r = do_bench(calls[0], warmup=warmup, rep=rep, **median)
     return float(r[0] if isinstance(r, (list, tuple)) else r)
 
 
-def sweep_candidates(M: int, layout: str, smoke: bool) -> tuple[list[LaunchConfig], tuple]:
-    """Stage 1: kernel forms (LaunchConfig.form) x tile shape x split-K (decode) or tile shape
-    (prefill); stage 2 tries the (num_warps, num_stages) pairs returned here around the best two.
-    BLOCK_K is the group (a K tile never straddles a group), 128 per channel; the nibble forms need 128."""
-    bk = parse_weights(layout).group_size or 128
-    nib = bk % 128 == 0 and parse_weights(layout).bits == 4
-    if M <= DECODE_MAX_ROWS:
-        stage1 = [*[LaunchConfig(16, bn, bk, sk, 1, 4, 3, "nib") for bn in (64, 128) for sk in (4, 8, 16) if nib],
-                  *[LaunchConfig(16, 64, bk, sk, 1, 4, 3, f) for f in ("nibswap",) for sk in (8,) if nib],
-                  *[LaunchConfig(16, 64, bk, sk, 1, 4, 3, f) for f in ("dot", "swap") for sk in (4, 8)]]
-        variants = ((4, 2), (4, 4), (8, 3))
-    else:
-        stage1 = [LaunchConfig(16, 128, bk, 1, 1, 4, 1, "dequant"),
-                  *[LaunchConfig(bm, 128, bk, 1, 8, w, 3, f) for f in ("dot", "swap", *(("nib",) if nib else ()))
-                    for bm, w in ((64, 4), (128, 8))]]
-        variants = ((4, 3), (8, 2), (8, 4))
+CONFIG_ABBR = {"block_m": "bm", "block_n": "bn", "block_k": "bk", "split_k": "sk", "group_m": "gm",
+               "num_warps": "w", "num_stages": "s"}
+
+
+def cfg_fields() -> set[str]:
+    return {f.name for f in fields(LaunchConfig)}
+
+
+def sweep_candidates(default: LaunchConfig, M: int, smoke: bool) -> tuple[list[LaunchConfig], list[dict]]:
+    """Around choose_config's pick, over whichever of these LaunchConfig has (its fields change with
+    the kernel; block_n and num_warps are left as chosen: a kernel may fix them to its tile): stage 1
+    the other forms (FORMS; no "dequant" for decode) and split-K (decode) or row-tile height
+    (prefill); stage 2 tries the num_stages values returned here around the best two."""
+    have = cfg_fields()
+    stage1 = []
+    if "form" in have:
+        stage1 += [replace(default, form=f) for f in FORMS
+                   if f != default.form and (M > DECODE_MAX_ROWS or f != "dequant")]
+    if M <= DECODE_MAX_ROWS and "split_k" in have:
+        stage1 += [replace(default, split_k=sk) for sk in (1, 2, 4, 8, 16, 32) if sk != default.split_k]
+    if M > DECODE_MAX_ROWS and "block_m" in have and getattr(default, "form", "") != "dequant":
+        stage1 += [replace(default, block_m=bm) for bm in (16, 32, 64, 128) if bm != default.block_m]
+    variants = [{"num_stages": ns} for ns in (1, 2, 3, 4)] if "num_stages" in have else []
     return (stage1[:2], variants[:1]) if smoke else (stage1, variants)
 
 
@@ -171,9 +251,9 @@ class Run:
         self.a, self.device, self.dtype = a, device, DTYPES[a.dtype]
         self.t0 = time.perf_counter()
         self.bf16: dict[tuple, float] = {}  # (N, K, M) → torch ms
-        self.wt: dict[tuple, torch.Tensor] = {}  # (N, K) → torch weight
+        self.wt: dict[tuple, list[torch.Tensor]] = {}  # (N, K) → torch weight copies [N, K] (this shape's only)
         self.xs: dict[tuple, torch.Tensor] = {}  # (M, K) → activations
-        self.rows, self.checks, self.sweep, self.skipped = [], [], [], []
+        self.rows, self.checks, self.sweep, self.skipped, self.errors = [], [], [], [], []
         self.pool = None
 
     def left_s(self) -> float:
@@ -207,13 +287,25 @@ class Run:
             self.xs[(M, K)] = torch.randn(M, K, device=self.device).to(self.dtype)
         return self.xs[(M, K)]
 
+    def copies(self, nbytes: int) -> int:
+        """How many copies of a weight the timing rotates: L2-cold with --graphs on CUDA, else 1
+        (do_bench flushes L2 itself; the smoke run only proves the code path: 2)."""
+        if self.device.type != "cuda":
+            return 2
+        return n_copies(nbytes, self.a.l2_bytes, self.a.max_copies) if self.a.graphs else 1
+
+    def weight_copies(self, layout: str, N: int, K: int) -> list[WQPacked]:
+        w = build_weight(layout, N, K, self.device, self.a.seed, self.a.quantized)
+        return [w] + [clone_packed(w) for _ in range(self.copies(packed_bytes(w)) - 1)]
+
     def torch_ms(self, N: int, K: int, M: int) -> float:
         if (N, K) not in self.wt:
-            self.wt[(N, K)] = (torch.randn(N, K, device=self.device) * 0.02).to(self.dtype)
+            w = (torch.randn(N, K, device=self.device) * 0.02).to(self.dtype)  # [N, K]
+            self.wt[(N, K)] = [w] + [w.clone() for _ in range(self.copies(w.numel() * w.element_size()) - 1)]
         if (N, K, M) not in self.bf16:
-            x, w = self.x(M, K), self.wt[(N, K)]
-            self.bf16[(N, K, M)] = bench_ms(partial(F.linear, x, w), self.device, self.a.warmup, self.a.rep,
-                                               self.a.graphs)
+            x = self.x(M, K)
+            self.bf16[(N, K, M)] = bench_ms([partial(F.linear, x, w) for w in self.wt[(N, K)]], self.device,
+                                            self.a.warmup, self.a.rep, self.a.graphs)
         return self.bf16[(N, K, M)]
 
     def check(self, what: dict, y: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -230,59 +322,78 @@ class Run:
         tasks = [(lay, N, K, ms, a.dtype, None, a.seed, a.quantized) for lay in layouts for N, K in shapes]
         if sweep:
             layout, N, K, sweep_ms = sweep
+            w = build_weight(layout, N, K, self.device, a.seed, a.quantized)  # for choose_config's picks
             for M in sweep_ms:
                 tasks += [(layout, N, K, [M], a.dtype, asdict(c), a.seed, a.quantized)
-                          for c in sweep_candidates(M, layout, a.smoke)[0]]
+                          for c in sweep_candidates(choose_config(M, w, self.device, self.dtype), M, a.smoke)[0]]
         return tasks
 
     def table(self, layouts, shapes, ms) -> None:
-        a = self.a
+        """Decode rows (M <= 16) of every shape and layout first, then the prefill rows: a budget cut
+        drops prefill first. One shape's torch copies live while its rows run."""
         self.precompile(self.compile_tasks(layouts, shapes, ms, None))
-        print(f"{'layout':<14}{'layer':<9}{'N out':>7}{'K in':>7}{'M':>6}{'lowbit ms':>11}{'torch ms':>10}"
-              f"{'speedup':>9}{'GB/s':>8}{'TFLOP/s':>9}{'% peak':>8}", flush=True)
-        for layout in layouts:
+        print(f"{'layout':<14}{'layer':<12}{'N out':>7}{'K in':>7}{'M':>6}{'lowbit ms':>11}{'torch ms':>10}"
+              f"{'ratio':>8}{'GB/s':>8}{'TFLOP/s':>9}{'% peak':>8}{'copies':>8}", flush=True)
+        parts = [[m for m in ms if m <= DECODE_MAX_ROWS], [m for m in ms if m > DECODE_MAX_ROWS]]
+        for part in (p for p in parts if p):
             for N, K in shapes:
-                self.weight_rows(layout, build_weight(layout, N, K, self.device, a.seed, a.quantized), ms)
-                self.write()  # as it goes: a run killed by a timeout keeps what it measured
+                for layout in layouts:
+                    if self.left_s() <= 0:  # not even built
+                        self.skipped += [{"layout": layout, "N": N, "K": K, "M": M} for M in part]
+                        continue
+                    self.weight_rows(layout, self.weight_copies(layout, N, K), part)
+                    self.write()  # as it goes: a run killed by a timeout keeps what it measured
+                self.wt.clear()  # the 128256x4096 LM head's bf16 copies are 2.1 GB
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
 
-    def weight_rows(self, layout: str, w: WQPacked, ms) -> None:
-        a, N, K = self.a, w.out_features, w.in_features
+    def weight_rows(self, layout: str, ws: list[WQPacked], ms) -> None:
+        a, w = self.a, ws[0]
+        N, K = w.out_features, w.in_features
         for M in ms:
             what = {"layout": layout, "N": N, "K": K, "M": M}
             if self.left_s() <= 0:
                 self.skipped.append(what)
                 continue
             x = self.x(M, K)
-            if M in a.check_m:
-                self.check(what, wq_mm(x, w), wq_mm_ref(x, w))
-            ms_lb = bench_ms(partial(wq_mm, x, w), self.device, a.warmup, a.rep, a.graphs)
-            ms_t = self.torch_ms(N, K, M)
+            try:
+                if M in a.check_m:
+                    self.check(what, wq_mm(x, w), wq_mm_ref(x, w))
+                ms_lb = bench_ms([partial(wq_mm, x, wi) for wi in ws], self.device, a.warmup, a.rep, a.graphs)
+                ms_t = self.torch_ms(N, K, M)
+            except Exception as e:  # noqa: BLE001 - e.g. a launch that cannot be captured: report, measure the rest
+                msg = f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                self.errors.append(msg)
+                print(f"  row failed: {msg}", file=sys.stderr, flush=True)  # again as ERROR at the end
+                continue
             nbytes = packed_bytes(w) + (M * K + M * N) * x.element_size()
             gbs = nbytes / ms_lb / 1e6
             r = {**what, "layer": LAYERS.get((N, K), ""), "lowbit_ms": ms_lb, "torch_ms": ms_t,
                  "speedup": ms_t / ms_lb, "gbs": gbs, "tflops": 2 * M * N * K / ms_lb / 1e9,
                  "pct_peak": None if not a.peak_gbs else 100 * gbs / a.peak_gbs,
                  "torch_gbs": (N * K + M * K + M * N) * x.element_size() / ms_t / 1e6,
-                 "bytes": nbytes, "config": cfg_str(choose_config(M, w, self.device, self.dtype))}
+                 "bytes": nbytes, "copies": len(ws), "torch_copies": len(self.wt[(N, K)]) if (N, K) in self.wt else 1,
+                 "config": cfg_str(choose_config(M, w, self.device, self.dtype))}
             self.rows.append(r)
             pct = "" if r["pct_peak"] is None else f"{r['pct_peak']:.0f}%"
-            print(f"{layout:<14}{r['layer']:<9}{N:>7}{K:>7}{M:>6}{ms_lb:>11.4f}{ms_t:>10.4f}"
-                  f"{r['speedup']:>8.2f}x{gbs:>8.0f}{r['tflops']:>9.1f}{pct:>8}", flush=True)
+            print(f"{layout:<14}{r['layer']:<12}{N:>7}{K:>7}{M:>6}{ms_lb:>11.4f}{ms_t:>10.4f}"
+                  f"{r['speedup']:>7.2f}x{gbs:>8.0f}{r['tflops']:>9.1f}{pct:>8}{len(ws):>4}/{r['torch_copies']:<3}",
+                  flush=True)
 
     def sweep_configs(self, layout: str, N: int, K: int, ms) -> None:
         """Coarse-to-fine (sweep_candidates); every config is checked against the ref before it is timed."""
         a = self.a
-        w = build_weight(layout, N, K, self.device, a.seed, a.quantized)
+        ws = self.weight_copies(layout, N, K)
+        w = ws[0]
         for M in ms:
             x, ref = self.x(M, K), wq_mm_ref(self.x(M, K), w)
             default = choose_config(M, w, self.device, self.dtype)
-            stage1, variants = sweep_candidates(M, layout, a.smoke)
+            stage1, variants = sweep_candidates(default, M, a.smoke)
             timed: dict[LaunchConfig, float | None] = {}
             what = {"sweep": layout, "N": N, "K": K, "M": M}
-            self.time_configs([default, *stage1], timed, what, w, x, ref)
+            self.time_configs([default, *stage1], timed, what, ws, x, ref)
             good = sorted((t, cfg_str(c), c) for c, t in timed.items() if t is not None)
-            self.time_configs([replace(c, num_warps=nw, num_stages=ns) for _, _, c in good[:2] for nw, ns in variants],
-                              timed, what, w, x, ref)
+            self.time_configs([replace(c, **v) for _, _, c in good[:2] for v in variants], timed, what, ws, x, ref)
             good = sorted((t, cfg_str(c), c) for c, t in timed.items() if t is not None)
             if not good:
                 continue
@@ -297,7 +408,8 @@ class Run:
                 print(f"    {t:.4f} ms  {s}", flush=True)
             self.write()
 
-    def time_configs(self, cfgs, timed: dict, what: dict, w: WQPacked, x: torch.Tensor, ref: torch.Tensor) -> None:
+    def time_configs(self, cfgs, timed: dict, what: dict, ws: list[WQPacked], x: torch.Tensor,
+                     ref: torch.Tensor) -> None:
         """Check, then time, each config not yet in `timed` (None: wrong, or failed to compile/launch)."""
         a = self.a
         self.precompile([(what["sweep"], what["N"], what["K"], [what["M"]], a.dtype, asdict(c), a.seed, a.quantized)
@@ -306,8 +418,9 @@ class Run:
             if c in timed or self.left_s() <= 0:
                 continue
             try:
-                ok = self.check({**what, "config": cfg_str(c)}, wq_mm(x, w, c), ref)
-                timed[c] = bench_ms(partial(wq_mm, x, w, c), self.device, a.warmup, a.rep, a.graphs) if ok else None
+                ok = self.check({**what, "config": cfg_str(c)}, wq_mm(x, ws[0], c), ref)
+                timed[c] = (bench_ms([partial(wq_mm, x, w, c) for w in ws], self.device, a.warmup, a.rep, a.graphs)
+                            if ok else None)
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: that config is out
                 print(f"  {cfg_str(c)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
                 timed[c] = None
@@ -335,10 +448,14 @@ class Run:
         dev = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu (Triton interpreter)"
         return {"device": dev, "torch": torch.__version__, "triton": getattr(triton, "__version__", "?"),
                 "dtype": self.a.dtype, "peak_gbs": self.a.peak_gbs, "warmup_ms": self.a.warmup, "rep_ms": self.a.rep,
-                "weights": "quantize_weight + wq_pack_*" if self.a.quantized else "random packed words on the device",
+                "weights": ("quantize_weight + wq_pack_*" if self.a.quantized
+                            else "random codes and scales on the device + wq_pack_*"),
                 "timing": ("one perf_counter call (smoke, not a measurement)" if self.device.type != "cuda" else
-                           "triton.testing.do_bench_cudagraph median (GPU time of graph replays)" if self.a.graphs
-                           else "triton.testing.do_bench median, L2 cleared per rep"), "smoke": self.a.smoke}
+                           "median of CUDA-graph replays (GPU time), L2-cold: each graph cycles through weight "
+                           f"copies (both sides) totalling >= 3x the {self.a.l2_bytes >> 20} MiB L2, "
+                           f"2..{self.a.max_copies} copies" if self.a.graphs
+                           else "triton.testing.do_bench median, L2 cleared per rep"),
+                "l2_bytes": self.a.l2_bytes, "smoke": self.a.smoke}
 
     def write(self) -> None:
         if not self.a.out:
@@ -348,7 +465,7 @@ class Run:
         summary = self.summary()
         (out / "gpu_kernels.json").write_text(json.dumps(
             {"meta": self.meta(), "rows": self.rows, "checks": self.checks, "summary": summary,
-             "sweep": self.sweep, "skipped": self.skipped}, indent=1, default=str))
+             "sweep": self.sweep, "skipped": self.skipped, "errors": self.errors}, indent=1, default=str))
         m = self.meta()
         f = lambda v, p: "" if v is None else f"{v:.{p}f}"
         lines = [f"# lowbit wq_mm vs torch {m['dtype']} F.linear", "",
@@ -356,12 +473,14 @@ class Run:
                   f"timing: {m['timing']} (warmup {m['warmup_ms']} ms, rep {m['rep_ms']} ms); weights: {m['weights']}; "
                   f"peak bandwidth {m['peak_gbs'] or 'unknown'} GB/s."), "",
                  ("N = out features, K = in features (weight.shape [N, K]); y[M, N] = x[M, K] @ W^T. "
-                  "GB/s: packed weight + scales + mins + x + y over the lowbit time."), "",
-                 "| layout | layer | N (out) | K (in) | M | lowbit ms | torch ms | speedup | GB/s | TFLOP/s | % peak | config |",
-                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "ratio = torch ms / lowbit ms (> 1: lowbit faster). GB/s: packed weight + scales + mins + x + y "
+                  "over the lowbit time. copies: weight copies the timing rotated, lowbit / torch."), "",
+                 "| layout | layer | N (out) | K (in) | M | lowbit ms | torch ms | ratio | GB/s | TFLOP/s | % peak | "
+                 "copies | config |",
+                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         lines += [f"| {r['layout']} | {r['layer']} | {r['N']} | {r['K']} | {r['M']} | {r['lowbit_ms']:.4f} | "
                   f"{r['torch_ms']:.4f} | {r['speedup']:.2f}x | {r['gbs']:.0f} | {r['tflops']:.1f} | "
-                  f"{f(r['pct_peak'], 0)} | {r['config']} |" for r in self.rows]
+                  f"{f(r['pct_peak'], 0)} | {r['copies']}/{r['torch_copies']} | {r['config']} |" for r in self.rows]
         lines += ["", "## Targets" + (" (smoke run: not measurements)" if self.a.smoke else ""), ""]
         lines += [f"- {s['status']}: {s['goal']} = not measured (target >= {s['target']}{s['unit']})" if s["value"] is None
                   else f"- {s['status']}: {s['goal']} = {s['value']:.2f}{s['unit']} (target >= {s['target']}{s['unit']}, "
@@ -375,6 +494,8 @@ class Run:
                       "| M | ms | speedup vs choose_config | config |", "|---:|---:|---:|---|"]
             lines += [f"| {s['M']} | {s['ms']:.4f} | {f(s['vs_default'], 2)} | {cfg_str(LaunchConfig(**s['config']))}"
                       f"{' (default)' if s['default'] else ''} |" for s in self.sweep]
+        if self.errors:
+            lines += ["", f"## Errors: {len(self.errors)} rows", ""] + [f"- {e}" for e in self.errors]
         if self.skipped:
             lines += ["", f"## Skipped for the time budget: {len(self.skipped)} rows", ""] + [f"- {s}" for s in self.skipped]
         (out / "gpu_kernels.md").write_text("\n".join(lines) + "\n")
@@ -388,9 +509,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list (default {','.join(LAYOUTS)})")
-    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in LAYERS),
-                    help="comma list of OUTxIN = NxK, e.g. 11008x4096 = out 11008, in 4096 (gate/up)")
-    ap.add_argument("--m", type=ints, default=MS, help="rows of x, comma list (default 1,4,16,64,256,2048)")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                    help="comma list of OUTxIN = NxK, e.g. 11008x4096 = out 11008, in 4096 (gate/up) "
+                         f"(default {','.join(f'{n}x{k}' for n, k in SHAPES)})")
+    ap.add_argument("--m", type=ints, default=MS, help=f"rows of x, comma list (default {','.join(map(str, MS))})")
     ap.add_argument("--dtype", choices=list(DTYPES), help="activations (default bfloat16; float16 with --smoke)")
     ap.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=40, help="do_bench repetition time, ms")
@@ -400,7 +522,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative error (Frobenius) vs wq_mm_ref")
     ap.add_argument("--sweep", action="store_true", help="also sweep LaunchConfigs on 4096x4096 int4-g128")
     ap.add_argument("--graphs", action="store_true",
-                    help="time each call replayed from a CUDA graph (GPU time only, as graphed decode pays it)")
+                    help="time calls replayed from a CUDA graph (GPU time only, as graphed decode pays it), "
+                         "L2-cold by rotating weight copies")
+    ap.add_argument("--l2-mb", type=float, help="L2 size the rotation defeats, MiB (default: the device's, else 50)")
+    ap.add_argument("--max-copies", type=int, default=32, help="most weight copies one timing rotates (default 32)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no new row after this many seconds (0: none)")
     ap.add_argument("--precompile", type=int, help="worker processes compiling kernels first (default: min(8, cores/2); 0: off)")
     ap.add_argument("--compile-only", action="store_true",
@@ -426,6 +551,12 @@ def main(argv=None) -> int:
         a.precompile = 1 if a.smoke else max(1, min(8, (os.cpu_count() or 2) // 2))
     if a.peak_gbs is None and cuda:
         a.peak_gbs = peak_gbs_for(torch.cuda.get_device_name(device))
+    if a.l2_mb is not None:
+        a.l2_bytes = int(a.l2_mb * 2**20)
+    else:
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) if cuda else 0
+        a.l2_bytes = l2 or L2_DEFAULT
+    a.max_copies = max(2, a.max_copies)
     layouts = [s for s in a.layouts.split(",") if s]
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",") if s]
     for lay in layouts:
@@ -462,10 +593,11 @@ def main(argv=None) -> int:
         print(f"INCOMPLETE: {len(r.skipped)} rows skipped for the {a.budget_s:.0f} s budget")
     bad = [c for c in r.checks if not c["ok"]]
     print(f"correctness: {len(r.checks) - len(bad)}/{len(r.checks)} checks within {a.tol} of wq_mm_ref")
+    for e in r.errors:
+        print(f"ERROR {e}")
     if bad:
         print(f"FAILED: {len(bad)} results disagree with wq_mm_ref", file=sys.stderr)
-        return 1
-    return 3 if r.skipped else 0
+    return 1 if bad or r.errors else 3 if r.skipped else 0
 
 
 if __name__ == "__main__":
