@@ -71,6 +71,9 @@ class WQPacked:
     # per (device, row tile, split count): the fp32 split-K workspace and ticket counters, reused by
     # every call and captured by CUDA graphs (the counters return to 0 after each call)
     workspaces: dict = field(default_factory=dict, repr=False, compare=False)
+    # per (device, row bucket, x dtype, y dtype): the LaunchConfig that launched, so a call does not
+    # choose (or shrink) again; the buckets are choose_config's, every M <= 16 one of them
+    configs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def tile_k(self) -> int:
@@ -352,7 +355,9 @@ def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
         raise ValueError(f"wq_mm: x is on {x.device}, the weight on {w.qweight.device}")
     M, N = x.shape[0], w.out_features
     out_dtype = out_dtype or x.dtype
-    cfg = config or choose_config(M, w, x.device, x.dtype, out_dtype)
+    # choose_config's row buckets: decode, 64-row tiles, dequantize-then-cuBLAS
+    key = (x.device, (M > DECODE_MAX_ROWS) + (M >= DEQUANT_MIN_ROWS), x.dtype, out_dtype)
+    cfg = config or w.configs.get(key) or choose_config(M, w, x.device, x.dtype, out_dtype)
     if cfg.form not in FORMS:
         raise ValueError(f"wq_mm: unknown form {cfg.form!r}, expected one of {FORMS}")
     if (cfg.block_n, cfg.num_warps) != (TILE_N, TILE_WARPS) or cfg.block_m < 16 or cfg.split_k < 1:
@@ -370,6 +375,8 @@ def wq_mm(x: torch.Tensor, w: WQPacked, config: LaunchConfig | None = None,
             # (y is untouched), so a smaller config may retry; an explicit config is the caller's
             if config is not None or (cfg := shrink(cfg)) is None:
                 raise
+    if config is None:
+        w.configs[key] = cfg  # what launched, shrunk if it had to be
     return y
 
 

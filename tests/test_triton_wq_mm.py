@@ -222,6 +222,32 @@ def test_launch_shrinks_a_config_triton_refuses(monkeypatch):
         wq_mm(x.to(dev), p, LaunchConfig(64))
 
 
+def test_configs_are_chosen_once_per_bucket(monkeypatch):
+    """An eager call reuses the config the weight's last call of the same row bucket launched: M = 1
+    and 16 share decode's, M = 20 gets the 64-row tiles'; a config a launch had to shrink is kept
+    shrunk."""
+    _, p = _packed("int4-g64", 48, 128)
+    dev = "cpu" if interpreting() else "cuda"
+    p = p.to(dev)
+    chosen, real = [], wq_mm_module.choose_config
+    monkeypatch.setattr(wq_mm_module, "choose_config", lambda M, *a: chosen.append(M) or real(M, *a))
+    for M in (1, 16, 5, 20, 40):
+        wq_mm(torch.randn(M, 128, dtype=torch.float16).to(dev), p)
+    assert chosen == [1, 20]
+    real_launch = wq_mm_module._launch
+
+    def launch(x, w, y, cfg):
+        if cfg.block_m > 16:
+            raise OutOfResources(300_000, H200_SMEM, "shared memory")
+        real_launch(x, w, y, cfg)
+
+    monkeypatch.setattr(wq_mm_module, "_launch", launch)
+    _, q = _packed("int4-g64", 48, 128)
+    q = q.to(dev)
+    wq_mm(torch.randn(20, 128, dtype=torch.float16).to(dev), q)
+    assert [c.block_m for c in q.configs.values()] == [16]
+
+
 def test_bad_inputs_are_clear_errors():
     _, p = _packed("int4-g32", 8, 64)
     with pytest.raises(ValueError, match="expected \\[M, 64\\]"):
