@@ -12,7 +12,7 @@ decode kernels, as the engine's graphed decode calls them) over one layer of a K
 it), pages scattered over the pool (a random permutation: a pool that has served a while), q as
 models/attention.py passes it (fp32 where both sides rotate — k8v4, k8v8 —, else fp16; the
 rotation matmuls around the call are not timed). --one-pass formats also time the single-pass
-kernel (max_query_len=2, the prefill path) on the same pool: what split-KV replaced for decode.
+kernel (the prefill path: split_rows all -1) on the same pool: what split-KV replaced for decode.
 Baseline: torch.nn.functional.scaled_dot_product_attention (torch's choice of backend) on
 contiguous fp16 K/V [S, Hkv, context, D] holding the same number of tokens; GQA as decode does it
 without copies: q [S, H, D] viewed as [S, Hkv, H/Hkv, D], the H/Hkv query heads of a KV head
@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import signal
-import statistics
 import sys
 import time
 from functools import partial
@@ -52,20 +51,12 @@ from lowbit.kernels.paged_attention import batch_tensors, paged_attention, paged
 from lowbit.kernels.triton_import import interpreting, triton
 from lowbit.quant.kv import KVFormat, parse_kv_format
 from lowbit.runtime.engine.kv_cache import KVPool
+from gpu_timing import graph_ms, peak_gbs_for, rel_err  # noqa: E402  (tests/bench/, the script's own folder)
 
 HEADS = ((32, 8, 128), (32, 32, 128), (9, 3, 64))  # (H, Hkv, D)
 HEAD_NAMES = {(32, 8, 128): "llama3-8b", (32, 32, 128): "llama2-7b", (9, 3, 64): "smollm2-135m"}
 PAGE = 16  # the engine's page size
 L2_DEFAULT = 50 << 20  # H100 / H200 L2, where the device does not report its own
-
-
-def peak_gbs_for(name: str) -> float | None:
-    """HBM peak by product name: H200 4.8 TB/s; H100 SXM (reported as "H100 80GB HBM3") 3.35 TB/s."""
-    if "H200" in name:
-        return 4800.0
-    if "H100" in name and ("SXM" in name or "HBM3" in name):
-        return 3350.0
-    return None
 
 
 def n_copies(nbytes: int, l2_bytes: int, cap: int) -> int:
@@ -74,40 +65,6 @@ def n_copies(nbytes: int, l2_bytes: int, cap: int) -> int:
     if nbytes >= 4 * l2_bytes:
         return 1
     return max(2, min(cap, math.ceil(3 * l2_bytes / max(nbytes, 1))))
-
-
-def graph_ms(calls: list, target_ms: float, replays: int = 10) -> float:
-    """GPU ms per call of `calls` (one zero-argument callable per KV copy), captured round-robin into
-    one CUDA graph of n calls (a multiple of len(calls), ~target_ms of eager time, at most 4096);
-    the median over `replays` replays of replay time / n."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        for call in calls:  # warm-up on the capture stream (compiles; SDPA's workspaces)
-            call()
-        start.record()
-        for call in calls:
-            call()
-        end.record()
-        end.synchronize()
-        est = max(start.elapsed_time(end) / len(calls), 1e-3)  # an upper bound: includes the launch
-        rounds = max(1, min(4096 // len(calls), round(target_ms / est / len(calls))))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(rounds):
-                for call in calls:
-                    call()
-        graph.replay()  # the first replay uploads the graph
-        times = []
-        for _ in range(replays):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / (rounds * len(calls)))
-    del graph
-    return statistics.median(times)
 
 
 def time_ms(calls: list, device: torch.device, rep_ms: float) -> float:
@@ -140,10 +97,6 @@ def fill_(pool: KVPool, gen: torch.Generator) -> None:
 def kv_read_bytes(fmt: KVFormat, S: int, ctx: int, Hkv: int, D: int) -> int:
     """Bytes one decode call must read: both sides of S x ctx tokens x Hkv heads."""
     return S * ctx * Hkv * (fmt.side_bytes("k", D) + fmt.side_bytes("v", D))
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
 class Bench:
@@ -195,9 +148,12 @@ class Bench:
             fill_(pool, self.gen)
             rotated = fmt.rotates(D) and fmt.k_bits < 16 and fmt.v_bits < 16
             q = q16.float() if rotated else q16  # as models/attention.py passes it
-            variants = {"split-KV": 1, **({"one-pass": 2} if name in a.one_pass else {})}  # max_query_len
-            calls = {v: [partial(paged_attention, q, pool.side(i, "k"), pool.side(i, "v"), *bt, PAGE,
-                                 max_query_len=mq) for i in range(R)] for v, mq in variants.items()}
+            # split-KV: every row attends alone (a decode step); one-pass: no row does (split_rows all
+            # -1), so the prefill kernel takes them all, one program per sequence and KV head
+            one_pass = {"max_query_len": 2, "split_rows": torch.full((S,), -1, dtype=torch.int32, device=dev)}
+            variants = {"split-KV": {"max_query_len": 1}, **({"one-pass": one_pass} if name in a.one_pass else {})}
+            calls = {v: [partial(paged_attention, q, pool.side(i, "k"), pool.side(i, "v"), *bt, PAGE, **kw)
+                         for i in range(R)] for v, kw in variants.items()}
             if compile_only:
                 for cs in calls.values():
                     cs[0]()
@@ -287,7 +243,7 @@ class Bench:
                   + (" SMOKE RUN: not measurements." if self.a.smoke else "")), "",
                  ("One decode step of one layer: S sequences, one query row each, over `context` cached tokens. "
                   "lowbit ms: paged_attention, max_query_len=1 (split-KV); one-pass ms: the single-pass kernel "
-                  "(max_query_len=2). speedup = SDPA ms / lowbit ms. GB/s and % peak: KV bytes read (MB column) "
+                  "(split_rows all -1). speedup = SDPA ms / lowbit ms. GB/s and % peak: KV bytes read (MB column) "
                   "over the lowbit time. copies: KV copies rotated, lowbit / SDPA."), "",
                  "| heads H/Hkv/D | model | S | context | KV | lowbit ms | one-pass ms | SDPA f16 ms | speedup | KV MB "
                  "| GB/s | % peak | SDPA GB/s | copies |",

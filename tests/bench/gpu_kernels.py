@@ -69,6 +69,7 @@ from lowbit.kernels.wq_mm import (
     wq_pack_int8,
 )
 from lowbit.quant import Int4Weight, parse_weights, quantize_weight
+from gpu_timing import graph_ms, peak_gbs_for, rel_err  # noqa: E402  (tests/bench/, the script's own folder)
 
 # (N out, K in) → layer; the first six are the default --shapes (Llama-7B's layers as lowbit runs them)
 LAYERS = {(4096, 4096): "o/q/k/v", (12288, 4096): "qkv", (11008, 4096): "gate/up", (22016, 4096): "gate+up",
@@ -79,15 +80,6 @@ MS = (1, 2, 4, 8, 16, 64, 256, 2048)
 L2_DEFAULT = 50 << 20  # H100 / H200 L2, where the device does not report its own
 SWEEP = ("int4-g128", 4096, 4096, (1, 16, 2048))  # layout, N, K, M values
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def peak_gbs_for(name: str) -> float | None:
-    """HBM peak by product name: H200 4.8 TB/s; H100 SXM (reported as "H100 80GB HBM3") 3.35 TB/s."""
-    if "H200" in name:
-        return 4800.0
-    if "H100" in name and ("SXM" in name or "HBM3" in name):
-        return 3350.0
-    return None
 
 
 def build_weight(layout: str, N: int, K: int, device: torch.device, seed: int, quantized: bool) -> WQPacked:
@@ -143,41 +135,6 @@ def cfg_str(c: LaunchConfig) -> str:
     return " ".join([str(d.pop("form", ""))] + [f"{CONFIG_ABBR.get(k, k + '=')}{v}" for k, v in d.items()]).strip()
 
 
-def graph_ms(calls: list, target_ms: float, replays: int = 10) -> float:
-    """GPU ms per call of `calls` (one zero-argument callable per weight copy), captured round-robin
-    into one CUDA graph of n calls (a multiple of len(calls), ~target_ms of eager time, 1..4096);
-    the median over `replays` replays of replay time / n. The eager estimate is an upper bound (it
-    includes the Python launch), so a launch-bound call gets fewer calls per graph, never too many."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        for call in calls:  # warm-up on the capture stream: compiles, cuBLAS handles and workspaces
-            call()
-        start.record()
-        for call in calls:
-            call()
-        end.record()
-        end.synchronize()
-        est = max(start.elapsed_time(end) / len(calls), 1e-3)
-        rounds = max(1, min(4096 // len(calls), round(target_ms / est / len(calls))))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(rounds):
-                for call in calls:
-                    call()
-        graph.replay()  # the first replay uploads the graph
-        times = []
-        for _ in range(replays):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / (rounds * len(calls)))
-    del graph
-    return statistics.median(times)
-
-
 def bench_ms(calls: list, device: torch.device, warmup: int, rep: int, graphs: bool = False) -> float:
     """calls: one zero-argument callable per weight copy (the same work on different memory).
     graphs: graph_ms over all of them (GPU time, L2-cold by rotation, ~rep ms of replays); else
@@ -223,11 +180,6 @@ def sweep_candidates(default: LaunchConfig, M: int, smoke: bool) -> tuple[list[L
         stage1 += [replace(default, block_m=bm) for bm in (16, 32, 64, 128) if bm != default.block_m]
     variants = [{"num_stages": ns} for ns in (1, 2, 3, 4)] if "num_stages" in have else []
     return (stage1[:2], variants[:1]) if smoke else (stage1, variants)
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    """||y - ref|| / ||ref||: bf16 output rounding gives ~1e-3, a layout or indexing bug ~1."""
-    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _compile_task(task) -> str | None:
