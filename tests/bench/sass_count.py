@@ -2,22 +2,25 @@
 sm_90 (H100/H200) on the CPU — no GPU needed.
 
     python tests/bench/sass_count.py [--arch 90] [--layouts int4-g128,int4-g32,...] [--rows 1,16]
+                                     [--dtypes float16,bfloat16]
 
 Each decode configuration `kernels/wq_mm.py` `choose_config` picks (for a 4096x4096 weight on a
 132-SM device with 228 KiB of shared memory) is compiled with `triton.compile` for a CUDA target,
-and the cubin disassembled with the `nvdisasm` in Triton's wheel. The main loop is the longest span
-between a label and a branch back to it; its instructions are classed by opcode (integer/logic,
-conversion, FMA/MMA, global load/store, shared memory (cp.async included), warp shuffles and barriers) and scaled to thread-instructions per
-packed 32-bit weight word:
+with the divisibility hints a real launch gives, and the cubin disassembled with the `nvdisasm` in
+Triton's wheel. The main loop is the longest span between a label and a branch back to it among
+those that load weights (evict-first loads); its instructions are classed by opcode
+(integer/logic, conversion, FMA/MMA, global load/store, shared memory (cp.async included), warp
+shuffles and barriers) and scaled to thread-instructions per packed 32-bit weight word:
 
     per word = instructions in the loop x threads of a program / words one iteration loads
-             (words = BLOCK_K x BLOCK_N x bits / 32)
+             (words = weight columns per iteration x 128 rows x bits / 32)
 
-That is the loop's budget: at 4.8 TB/s (1.2 G words/s) over 132 SMs issuing 4 x 32 thread-instructions a
-cycle at ~1.98 GHz, an H200 has ~28 thread-instructions per word at full issue, so >= 70% of bandwidth
-needs <= ~20. Shared-memory round
-trips (STS/LDS/LDSM in the loop, and the TTGIR's local_alloc / convert_layout ops) show whether the
-weights are reshuffled through shared memory. One line per kernel and configuration.
+That is the loop's budget: at 4.8 TB/s (1.2 G words/s) over 132 SMs issuing 4 x 32
+thread-instructions a cycle at ~1.98 GHz, an H200 has ~28 thread-instructions per word at full
+issue, so >= 70% of bandwidth needs <= ~20. Weight round trips — shared-memory staging or layout
+conversions of the packed bytes or of decoded weight tiles in the TTGIR loop — show whether the
+weights are reshuffled on their way to the MMA (x's operand tiles always go through shared memory:
+wgmma reads its B operand there). One line per kernel, activation dtype and configuration.
 """
 
 from __future__ import annotations
