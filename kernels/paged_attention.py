@@ -326,16 +326,19 @@ def batch_tensors(query_lens: list[int], context_lens: list[int], block_tables: 
     return (cu.to(device), torch.tensor(context_lens, dtype=torch.int32).to(device), table.to(device))
 
 
-def split_rows(query_lens: list[int], one_by_one: list[bool] | None, device) -> torch.Tensor:
-    """int32 [M]: for each query row, its sequence if the row attends alone through the split-KV
-    kernels — every row of a one-row sequence (a decode) and of a one_by_one sequence (a speculative
-    chunk: each row then computes exactly what decoding that token alone would) — else -1 (a prefill
-    chunk's rows, tiled together by the prefill kernel)."""
+def split_rows(query_lens: list[int], one_by_one: list[bool] | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ (split_rows int32 [M], alone int64 [R]). split_rows: for each query row, its sequence if the
+    row attends alone through the split-KV kernels — every row of a one-row sequence (a decode) and
+    of a one_by_one sequence (a speculative chunk: each row then computes exactly what decoding that
+    token alone would) — else -1 (a prefill chunk's rows, tiled together by the prefill kernel).
+    alone: the R rows that attend alone, so a mixed step runs the split-KV kernels over those rows
+    only (their workspace is R rows, not M; none at all in a prefill step)."""
     rows = []
     for s, n in enumerate(query_lens):
         alone = n == 1 or bool(one_by_one and one_by_one[s])
         rows += [s if alone else -1] * n
-    return torch.tensor(rows, dtype=torch.int32).to(device)
+    alone = [i for i, s in enumerate(rows) if s >= 0]
+    return torch.tensor(rows, dtype=torch.int32).to(device), torch.tensor(alone, dtype=torch.long).to(device)
 
 
 def _rows_of(cu_query_lens: torch.Tensor, M: int) -> torch.Tensor:
@@ -368,7 +371,8 @@ def paged_attention(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_le
                     page_size: int, sliding_window: int | None = None, scale: float | None = None,
                     max_query_len: int | None = None, block_m: int | None = None,
                     block_n: int | None = None, kv_split: int | None = None,
-                    max_splits: int | None = None, split_rows: torch.Tensor | None = None) -> torch.Tensor:
+                    max_splits: int | None = None, split_rows: torch.Tensor | None = None,
+                    alone: torch.Tensor | None = None) -> torch.Tensor:
     """q [M, H, D] fp16/bf16/fp32 (rotated like the keys; last dim contiguous) attending over one
     layer's keys and values in the pool (runtime/engine/kv_cache.py's `KVPool.side`) → fp32 [M, H, D],
     still rotated.
@@ -386,6 +390,8 @@ def paged_attention(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_le
     past that — whatever company they keep: a decode row gives the same bits in a decode step, in a
     mixed step and as a row of a one_by_one chunk. The other rows take the prefill kernel, which
     max_query_len 1 skips; then there is no host read, and the launch can be captured in a CUDA graph.
+    alone int64 [R]: the rows split_rows marks, if the caller knows them (`split_rows()` gives both):
+    with max_query_len > 1 the split-KV kernels then run over those R rows only.
     block_m / block_n / kv_split / max_splits override the tile and the split (tests)."""
     if q.dim() != 3 or q.dtype not in _FLOATS or (q.shape[2] > 1 and q.stride(2) != 1):
         raise ValueError(f"paged_attention: q must be fp16/bf16/fp32 [M, H, D] with a contiguous last dim, "
@@ -417,8 +423,14 @@ def paged_attention(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_le
     elif split_rows.dtype != torch.int32 or tuple(split_rows.shape) != (M,) or split_rows.device != q.device:
         raise ValueError(f"paged_attention: split_rows must be int32 [{M}] on {q.device}, got {split_rows.dtype} "
                          f"{tuple(split_rows.shape)}")
-    _decode(q, out, k_side, v_side, split_rows, context_lens, positions, block_tables, page_size,
-            sliding_window, scale, block_n, kv_split, max_splits)
+    decode = (k_side, v_side, context_lens, block_tables, page_size, sliding_window, scale, block_n, kv_split,
+              max_splits)
+    if max_query_len == 1 or alone is None:
+        _decode(q, out, split_rows, positions, *decode)
+    elif alone.numel():  # a mixed step: the alone rows gathered, attended, put back
+        part = torch.empty((alone.numel(), H, D), dtype=torch.float32, device=q.device)
+        _decode(q[alone], part, split_rows[alone], positions[alone], *decode)
+        out[alone] = part
     if max_query_len == 1:
         return out
     if block_m is None:
@@ -457,7 +469,7 @@ def decode_constexprs(D: int, qpk: int, k_bits: int, k_group: int, v_bits: int, 
     return stage1, dict(**split, D=D, BLOCK_D=np2(D))
 
 
-def _decode(q, out, k_side, v_side, split_rows, context_lens, positions, block_tables, page_size,
+def _decode(q, out, split_rows, positions, k_side, v_side, context_lens, block_tables, page_size,
             sliding_window, scale, block_n, kv_split, max_splits) -> None:
     """paged_attention for the rows that attend alone (split_rows >= 0): split-KV stage 1 into an
     fp32 workspace, then the merge into out. The grid and the workspace depend on shapes and

@@ -33,11 +33,11 @@ class PagedBatch:
     # would (a speculative chunk: its rows then match plain decoding bit for bit); None = all False
     one_by_one: list[bool] | None = None
     # the fused path's (cu_query_lens int32 [S + 1], context_lens int32 [S], block_tables int32
-    # [S, max_pages], split_rows int32 [M]) already on the device, or None to build them from the
-    # lists above (kernels/paged_attention.py batch_tensors, split_rows). A graphed
+    # [S, max_pages], split_rows int32 [M], alone int64 [R] or None) already on the device, or None
+    # to build them from the lists above (kernels/paged_attention.py batch_tensors, split_rows). A graphed
     # decode step (runtime/engine/cuda_graphs.py) passes its static buffers: a replay sees no list, so
     # context_lens and block_tables are then empty and query_lens (all 1) is fixed per graph
-    kernel_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    kernel_tensors: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +82,7 @@ class PagedAttention:
             dev = batch.positions.device
             self.tensors = batch.kernel_tensors if batch.kernel_tensors is not None else (  # once per step
                 *batch_tensors(batch.query_lens, batch.context_lens, batch.block_tables, dev),
-                split_rows(batch.query_lens, batch.one_by_one, dev))
+                *split_rows(batch.query_lens, batch.one_by_one, dev))
         else:
             self._plan(batch, pool)
 
@@ -210,10 +210,10 @@ class PagedAttention:
             x = x.float() @ rot if rot is not None and side.bits < 16 else x
             kv_write(x, b.slots, side, pool.page_size)
         rotated = rot is not None and k_side.bits < 16 and v_side.bits < 16
-        cu, ctx, tables, alone = self.tensors
+        cu, ctx, tables, by_row, alone = self.tensors
         out = paged_attention(q.float() @ rot if rotated else q, k_side, v_side, cu, ctx, b.positions, tables,
                               pool.page_size, sliding_window=self.window, max_query_len=max(b.query_lens),
-                              split_rows=alone)  # fp32 [M, H, D]
+                              split_rows=by_row, alone=alone)  # fp32 [M, H, D]
         if rotated:
             out = out @ rot.T
         return out.reshape(q.shape[0], -1)

@@ -404,9 +404,14 @@ def test_rows_that_attend_alone_are_the_same_bits_in_any_step(device):
     b = make_batch(fmt, page, D, H, Hkv, seqs, gen=torch.Generator().manual_seed(5), device=device)
     args = b.args(fmt, page)
     mixed = paged_attention(**args)
-    assert torch.equal(mixed, paged_attention(**args, split_rows=split_rows([3, 1, 6, 1], None, device)))
+    by_row, alone = split_rows([3, 1, 6, 1], None, device)
+    assert alone.tolist() == [3, 10]
+    assert torch.equal(mixed, paged_attention(**args, split_rows=by_row))
+    assert torch.equal(mixed, paged_attention(**args, split_rows=by_row, alone=alone))  # those rows only
     assert_close(mixed, paged_attention_ref(**args), torch.float32)
-    spec = paged_attention(**args, split_rows=split_rows([3, 1, 6, 1], [True, False, False, False], device))
+    spec = paged_attention(**args, split_rows=split_rows([3, 1, 6, 1], [True, False, False, False], device)[0])
+    assert torch.equal(spec, paged_attention(**args, **dict(zip(("split_rows", "alone"), split_rows(
+        [3, 1, 6, 1], [True, False, False, False], device)))))
     assert torch.equal(spec[3:], mixed[3:])
     assert_close(spec, paged_attention_ref(**args), torch.float32)
     for s, row in ((1, 3), (3, 10)):  # decode rows, alone

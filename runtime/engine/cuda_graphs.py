@@ -173,7 +173,7 @@ class DecodeGraphs:
         tokens, positions, slots = s["ids"][0, :B], s["ids"][1, :B], s["ids"][2, :B]
         batch = PagedBatch(positions=positions, slots=slots, query_lens=[1] * B, context_lens=[], block_tables=[],
                            logits_rows=s["rows"][:B],
-                           kernel_tensors=(s["cu"][:B + 1], s["ctx"][:B], s["tables"][:B], s["alone"][:B]))
+                           kernel_tensors=(s["cu"][:B + 1], s["ctx"][:B], s["tables"][:B], s["alone"][:B], None))
         model, pool = self.model, self.pool
 
         def step() -> torch.Tensor:
