@@ -248,13 +248,12 @@ def _xsum_kernel(x_ptr, xs_ptr, K, G, stride_xm, stride_xs, GROUP: tl.constexpr,
 
 @triton.jit
 def _wq_dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, NP, KT, BITS: tl.constexpr, HAS_MIN: tl.constexpr,
-                       PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
+                       PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr, TK: tl.constexpr):
     """W^T [Kp, Np] in w's dtype for the prefill path: d * u (+ m) in fp32, rounded once; per channel
-    the bare codes (exact), whose scale the caller applies to y. One program per tile."""
+    the bare codes (exact), whose scale the caller applies to y. One program per tile of TK columns."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     DTYPE: tl.constexpr = w_ptr.dtype.element_ty
-    TK: tl.constexpr = 64 if (PER_CHANNEL or GROUP % 64 == 0) else 32  # wq_tile.tile_width
     offs_n = pid_n * 128 + tl.arange(0, 128)
     offs_k = t * TK + tl.arange(0, TK)
     u = _tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM, TK).to(tl.float32)  # [128, TK], exact codes
@@ -403,7 +402,8 @@ def _launch(x: torch.Tensor, w: WQPacked, y: torch.Tensor, cfg: LaunchConfig) ->
     if cfg.form == "dequant":
         # prefill: a per-call W^T copy [Kp, Np] in x's dtype (4096x4096 bf16: 32 MiB, freed on return)
         wt = torch.empty((w.padded_in_features, NP), device=x.device, dtype=x.dtype)
-        _wq_dequant_kernel[(w.qweight.shape[0], KT)](w.qweight, w.scales, mins, wt, NP, KT, **common, **tune)
+        _wq_dequant_kernel[(w.qweight.shape[0], KT)](w.qweight, w.scales, mins, wt, NP, KT, **common,
+                                                       TK=w.tile_k, **tune)
         out = torch.matmul(x, wt[: w.in_features, : w.out_features])  # cuBLAS, fp32 accumulation
         y.copy_(out if not w.per_channel else out * w.scales[0, : w.out_features])  # per channel: y = (x @ q^T) * s
         return
