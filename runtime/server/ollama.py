@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from lowbit.runtime.engine.embedder import embed
 from lowbit.runtime.engine.sampler import MAX_LOGPROBS
+from lowbit.runtime.server.body import decode_json
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
 from lowbit.runtime.server.reply import THINK_OPEN
 from lowbit.runtime.server.request import Parsed
@@ -210,10 +211,7 @@ def _capabilities(served) -> list[str]:
 # ---- request: an Ollama body → an OpenAI one the parser reads --------------------------------------
 
 def _json_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"invalid JSON in the request body: {e}") from None
+    body = decode_json(raw) if raw.strip() else {}
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body

@@ -8,13 +8,13 @@ logged and ignored (clients send vendor extensions), and the few known fields wi
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
 from lowbit.runtime.load.chat_template import REASONING_FIELDS
+from lowbit.runtime.server.body import decode_json
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
 from lowbit.runtime.server.reply import THINK_OPEN
 from lowbit.runtime.server.tools import ToolPlan, history_message, parse_tools, prompt_messages
@@ -23,6 +23,14 @@ from lowbit.runtime.engine.sampler import MAX_LOGPROBS, SamplingParams
 log = logging.getLogger("lowbit.server")
 
 MAX_CHOICES = 128  # OpenAI's bound on n
+# Bounds on what one request may ask of every decode step: each stop string is searched in the
+# tail of every detokenized delta (500k of them cost 278 ms a token), each logit_bias entry is a
+# write per step. OpenAI allows 4 stop strings, 300 biased tokens and 128 tools; these are looser
+# for local agents that send long stop lists, and still keep a step's cost bounded.
+MAX_STOP = 64
+MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_TOOLS = 128
 # fields both endpoints pass on to SamplingParams under the same names
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed")
@@ -69,10 +77,7 @@ class RequestParser:
         self.names = (model_name, *aliases)
 
     def body(self, raw: bytes, fields: frozenset[str]) -> dict:
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"request body is not valid JSON: {e}") from None
+        body = decode_json(raw)
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
         unknown = sorted(set(body) - fields)
@@ -98,7 +103,7 @@ class RequestParser:
             raise bad_request(f"cannot render the chat template: {e}", "messages") from None
         self._check_prompt_len(len(ids), "messages")
         lp, top = body.get("logprobs"), body.get("top_logprobs")
-        if lp not in (None, True, False):
+        if lp is not None and not isinstance(lp, bool):  # 1 == True in Python; OpenAI answers 400
             raise bad_request("logprobs must be a boolean", "logprobs")
         if top is not None:
             if not lp:
@@ -258,11 +263,17 @@ class RequestParser:
                 raise bad_request("best_of is not supported", "best_of")
             if body.get("suffix"):
                 raise bad_request("suffix is not supported", "suffix")
-        if body.get("stream") not in (None, True, False):
+        if body.get("stream") is not None and not isinstance(body["stream"], bool):  # 0 == False in Python
             raise bad_request("stream must be a boolean", "stream")
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             raise bad_request("stream_options must be an object", "stream_options")
+        usage = (opts or {}).get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise bad_request("stream_options.include_usage must be a boolean", "stream_options")
+        tools = body.get("tools")
+        if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+            raise bad_request(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
 
     def _params(self, body: dict, prompt_len: int, max_key: str, logprobs: int | None) -> SamplingParams:
         kw: dict[str, Any] = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
@@ -278,11 +289,15 @@ class RequestParser:
                 stop = [stop]
             if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
                 raise bad_request("stop must be a string or a list of strings", "stop")
+            if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+                raise bad_request(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters", "stop")
             kw["stop"] = tuple(s for s in stop if s)
         bias = body.get("logit_bias")
         if bias is not None:
             if not isinstance(bias, dict):
                 raise bad_request("logit_bias must be an object mapping token ids to numbers", "logit_bias")
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise bad_request(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
             try:
                 bias = {int(k): v for k, v in bias.items()}
             except (TypeError, ValueError):
