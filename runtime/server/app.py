@@ -33,6 +33,8 @@ from lowbit.runtime.engine.embedder import embed
 from lowbit.runtime.engine.scoring import prompt_logprobs
 from lowbit.runtime.engine.engine import AsyncEngine, Delta, Usage
 from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError, LazyGrammar
+from lowbit.runtime.server.disconnect import CancelOnDisconnect
+from lowbit.runtime.server.guard import DEFAULT_MAX_BODY, Guard, origin_policy
 from lowbit.runtime.server.errors import APIError, bad_request, install_error_handlers
 from lowbit.runtime.server.request import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, EMBEDDINGS_FIELDS,
                                           TOKENIZE_FIELDS, Parsed, RequestParser)
@@ -42,6 +44,7 @@ from lowbit.runtime.engine.sampler import SamplingParams
 from lowbit.runtime.engine.scheduler import QueueFull
 from lowbit.runtime.server.metrics import ServerMetrics
 from lowbit.runtime.server.ollama import add_ollama_routes
+from lowbit.runtime.server.openapi import install_openapi
 from lowbit.runtime.server.responses import add_responses_routes
 
 
@@ -98,13 +101,18 @@ LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 
 def build_app(served: Served | None = None, api_key: str | None = None,
-              cors_origins: list[str] | None = None) -> FastAPI:
+              cors_origins: list[str] | None = None, bind_host: str | None = None,
+              allowed_hosts: list[str] | None = None, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     """The app; with `served` None it answers 503 until `app.state.lowbit.ready(served)`.
     cors_origins: the origins a browser page may call from (["*"]: any); None: LOCAL_ORIGINS. The
-    preflight needs no key (browsers send none); the request itself is checked as any other."""
-    app = FastAPI(title="lowbit", docs_url=None, redoc_url=None, openapi_url=None)
+    preflight needs no key (browsers send none); the request itself is checked as any other.
+    bind_host, allowed_hosts, max_body: what server/guard.py checks before any route."""
+    app = FastAPI(title="lowbit", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
     origins = {"allow_origin_regex": LOCAL_ORIGINS} if cors_origins is None else {"allow_origins": cors_origins}
+    app.add_middleware(CancelOnDisconnect)
+    app.add_middleware(Guard, bind_host=bind_host, allowed_hosts=allowed_hosts, max_body=max_body,
+                       origin_allowed=origin_policy(LOCAL_ORIGINS, cors_origins))  # inside CORS: its refusals get CORS headers
     app.add_middleware(CORSMiddleware, allow_methods=["*"], allow_headers=["*"], **origins)
     state = app.state.lowbit = AppState()
     created = int(time.time())
@@ -298,6 +306,12 @@ def build_app(served: Served | None = None, api_key: str | None = None,
 
         return sse_response(body())
 
+    async def parse(fn, request: Request, fields: frozenset[str]):
+        """fn(the body) on a worker thread: decoding, templating and tokenizing a long prompt take
+        seconds that would stall every other request on the event loop."""
+        raw = await request.body()
+        return await asyncio.to_thread(lambda: fn(state.parser.body(raw, fields)))
+
     # ---- routes -------------------------------------------------------------------------------------
 
     @app.get("/health")
@@ -336,7 +350,7 @@ def build_app(served: Served | None = None, api_key: str | None = None,
     async def embeddings(request: Request):
         check_key(request)
         served = state.require()
-        texts, fmt = state.parser.embeddings(state.parser.body(await request.body(), EMBEDDINGS_FIELDS))
+        texts, fmt = await parse(state.parser.embeddings, request, EMBEDDINGS_FIELDS)
         vectors = await one_pass(served, "embeddings", "input", lambda model: embed(model, texts, served.pooling))
         data = []
         for i, v in enumerate(vectors.cpu()):
@@ -350,31 +364,32 @@ def build_app(served: Served | None = None, api_key: str | None = None,
     async def tokenize(request: Request):
         check_key(request)
         served = state.require()
-        ids = state.parser.tokenize(state.parser.body(await request.body(), TOKENIZE_FIELDS))
+        ids = await parse(state.parser.tokenize, request, TOKENIZE_FIELDS)
         return {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         check_key(request)
         state.require()
-        text = state.parser.detokenize(state.parser.body(await request.body(), DETOKENIZE_FIELDS))
+        text = await parse(state.parser.detokenize, request, DETOKENIZE_FIELDS)
         return {"prompt": text, "content": text}  # vLLM's name, llama-server's
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         check_key(request)
         served = state.require()
-        req = state.parser.chat(state.parser.body(await request.body(), CHAT_FIELDS))
+        req = await parse(state.parser.chat, request, CHAT_FIELDS)
         return await run(served, req, "chatcmpl")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_key(request)
         served = state.require()
-        req = state.parser.completion(state.parser.body(await request.body(), COMPLETION_FIELDS))
+        req = await parse(state.parser.completion, request, COMPLETION_FIELDS)
         return await run(served, req, "cmpl")
 
     core = Core(state, check_key, start, one_pass)
     add_responses_routes(app, core)
     add_ollama_routes(app, core)
+    install_openapi(app)
     return app
