@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 from lowbit.runtime.cli.engine_args import add_engine_args, add_model_args, check_engine_args, load_served, parse_size
@@ -31,6 +32,16 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--cors-origins", default=None, metavar="ORIGINS",
                        help="comma-separated origins a browser page may call the port from, or * for any "
                             "(default: http(s)://localhost and 127.0.0.1 on any port)")
+    serve.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                       help="comma-separated Host names the server answers besides this machine's own, or * for "
+                            "any (default: bound to loopback, only localhost and loopback addresses — a guard "
+                            "against DNS rebinding; bound beyond loopback, any)")
+    serve.add_argument("--max-body", default="8MiB", metavar="SIZE",
+                       help="largest request body; larger ones get a 413 before they are read (default 8MiB)")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                       help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are "
+                            "stopped with an error (new requests get 503 meanwhile; a second signal stops "
+                            "them at once; default 10)")
     add_engine_args(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level (default info)")
@@ -49,14 +60,40 @@ def cors_origins(text: str | None) -> list[str] | None:
     return origins
 
 
+def bind(host: str, port: int):
+    """The listening socket, bound here so that a taken port or a bad address is one lowbit line
+    (uvicorn would log its own and exit with status 3)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise LowbitError(f"--host {host!r} is not an address of this machine: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        hint = " (is another server running on it? choose another with --port)" if e.errno == errno.EADDRINUSE else ""
+        raise LowbitError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def cmd_serve(args) -> int:
     import logging
     import threading
+    import time
 
     try:
         import uvicorn
 
         from lowbit.runtime.server.app import build_app
+        from lowbit.runtime.server.drain import Drain
+        from lowbit.runtime.server.guard import is_loopback
     except ImportError as e:
         raise LowbitError(f"`lowbit serve` needs fastapi and uvicorn ({e})") from None
     if not 0 < args.port < 65536:
@@ -66,7 +103,19 @@ def cmd_serve(args) -> int:
     log = logging.getLogger("lowbit.server")
     kv_memory = parse_size(args.kv_memory)
     api_key = args.api_key if args.api_key is not None else (os.environ.get("LOWBIT_API_KEY") or None)
-    app = build_app(None, api_key, cors_origins(args.cors_origins))  # answers 503 until the model is loaded
+    hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()] if args.allowed_hosts else None
+    max_body = parse_size(args.max_body)
+    if not isinstance(max_body, int) or max_body < 1024:
+        raise LowbitError(f"--max-body must be a size of at least 1KiB, got {args.max_body!r}")
+    if args.shutdown_timeout < 0:
+        raise LowbitError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    sock = bind(args.host, args.port)  # a taken port is one line here, before the model loads
+    if not is_loopback(args.host) and api_key is None:
+        log.warning("serving on %s beyond this machine with no API key: anyone who can reach the port can use "
+                    "it (set --api-key or $LOWBIT_API_KEY)", args.host)
+    app = build_app(None, api_key, cors_origins(args.cors_origins), bind_host=args.host, allowed_hosts=hosts,
+                    max_body=max_body)  # answers 503 until the model is loaded
+    drain = Drain(app)
     url = f"http://{args.host if ':' not in args.host else '[' + args.host + ']'}:{args.port}/v1"
     failure: list[BaseException] = []
 
@@ -81,14 +130,42 @@ def cmd_serve(args) -> int:
             server.should_exit = True
 
     class _Server(uvicorn.Server):
+        """uvicorn's server, stopping gracefully: the first SIGTERM/SIGINT drains (503 to new requests,
+        running ones finish for up to --shutdown-timeout s, then end with an error event and
+        [DONE]); a second one ends them at once. The process then exits 0, the signal handled."""
+
+        stopping = False
+
+        def handle_exit(self, sig, frame):
+            if self.stopping:
+                stop_now.set()
+                return
+            self.stopping, drain.draining = True, True
+            log.info("shutting down: %d request(s) running get up to %g s to finish (signal again to stop now)",
+                     drain.in_flight, args.shutdown_timeout)
+            threading.Thread(target=self.drain_and_exit, name="lowbit-drain", daemon=True).start()
+
+        def drain_and_exit(self):
+            deadline = time.monotonic() + args.shutdown_timeout
+            while drain.in_flight and time.monotonic() < deadline and not stop_now.is_set():
+                time.sleep(0.05)
+            served = app.state.lowbit.served
+            if drain.in_flight and served is not None:
+                log.info("stopping %d running request(s)", served.engine.shutdown())
+                deadline = time.monotonic() + 2  # their error events written
+                while drain.in_flight and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            self.should_exit = True
+
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:  # the port is ours: load now, answering /health with 503 meanwhile
                 log.info("loading the model; %s/health answers 503 until it is ready", url.removesuffix("/v1"))
                 threading.Thread(target=load_and_serve, args=(self,), name="lowbit-load", daemon=True).start()
 
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    server.run()
+    stop_now = threading.Event()
+    server = _Server(uvicorn.Config(drain, host=args.host, port=args.port, log_level=args.log_level))
+    server.run(sockets=[sock])
     if failure:
         e = failure[0]
         if isinstance(e, LowbitError):

@@ -376,6 +376,19 @@ class AsyncEngine:
             loop, q = entry
             loop.call_soon_threadsafe(q.put_nowait, Delta(request_id, "", [], finish_reason="abort"))
 
+    def shutdown(self) -> int:
+        """End every request now (the server is stopping): each stream gets a "shutdown" finish, which
+        the server answers as an error. → how many were running."""
+        with self._lock:
+            entries = list(self._queues.items())
+            self._queues.clear()
+            for rid, _ in entries:
+                if rid in self.engine.requests:
+                    self.engine.abort(rid)
+        for rid, (loop, q) in entries:
+            loop.call_soon_threadsafe(q.put_nowait, Delta(rid, "", [], finish_reason="shutdown"))
+        return len(entries)
+
     def stats(self) -> dict:
         with self._lock:
             return self.engine.stats()

@@ -97,6 +97,9 @@ class Responder:
             err = self.last_error()
             raise APIError(500, f"generation failed: {type(err).__name__}: {err}" if err else "generation failed",
                            "server_error")
+        if d.finish_reason == "shutdown":
+            raise APIError(503, "The server is shutting down; this request was stopped before it finished.",
+                           "server_error", None, "server_shutdown", headers={"Retry-After": "5"})
         return d.finish_reason if d.finish_reason in ("stop", "length") else "stop"
 
     @staticmethod
@@ -211,3 +214,5 @@ class Responder:
             yield sse("[DONE]")
         except APIError as e:  # a failure after the stream began: an error event, then close
             yield sse(e.body())
+            if e.code == "server_shutdown":  # a deliberate end, not a broken stream: clients reading to [DONE] stop
+                yield sse("[DONE]")
