@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 
 import httpx
 
@@ -178,6 +179,131 @@ def test_regenerate_replaces_the_last_reply(tmp_path):
             assert [m.content for m in app.messages] == ["q", "second"]
             assert fake.requests[1]["messages"] == fake.requests[0]["messages"]
             assert len(app.query(Bubble)) == 2
+            assert stored(tmp_path, app.chat_id) == ["q", "second"]  # replaced in the file too
+
+    asyncio.run(go())
+
+
+def stored(tmp_path, chat_id) -> list[str]:
+    """The chat as another window would read it from the file now."""
+    return [m.content for m in ChatStore(tmp_path / "chats.db").messages(chat_id)]
+
+
+def notes(app: ChatApp) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+def test_the_prompt_is_saved_when_sent_before_the_reply_ends(tmp_path):
+    fake = FakeOpenAI([["part", " rest"]])
+    app = make_app(tmp_path, fake)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.settings.model is not None)
+            fake.hold_after = 1
+            await send(pilot, "keep me")
+            await until(pilot, lambda: fake.reached_hold.is_set())
+            assert app.chat_id is not None and stored(tmp_path, app.chat_id) == ["keep me"]  # a crash now keeps it
+            fake.release.set()
+            await until(pilot, lambda: not app.generating and len(app.messages) == 2)
+            assert stored(tmp_path, app.chat_id) == ["keep me", "part rest"]
+
+    asyncio.run(go())
+
+
+def test_a_chat_deleted_in_another_window_is_saved_as_a_new_chat(tmp_path):
+    fake = FakeOpenAI([["r1"], ["r2"]])
+    app = make_app(tmp_path, fake)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.settings.model is not None)
+            await send(pilot, "q1")
+            await until(pilot, lambda: len(app.messages) == 2 and not app.generating)
+            gone = app.chat_id
+            ChatStore(tmp_path / "chats.db").delete(gone)  # the other window
+            await send(pilot, "q2")  # was an uncaught sqlite3.IntegrityError (FOREIGN KEY constraint failed)
+            await until(pilot, lambda: len(app.messages) == 4 and not app.generating)
+            assert any("deleted in another window" in m for m in notes(app))
+            assert app.chat_id != gone and stored(tmp_path, app.chat_id) == ["q1", "r1", "q2", "r2"]
+            assert [c.id for c in ChatStore(tmp_path / "chats.db").list_chats()] == [app.chat_id]
+
+    asyncio.run(go())
+
+
+def test_a_locked_history_file_is_a_notification_and_a_later_save_succeeds(tmp_path):
+    fake = FakeOpenAI([["r1"], ["r2"], ["r3"]])
+    app = ChatApp(ChatClient("http://fake/v1", transport=fake.transport()),
+                  ChatStore(tmp_path / "chats.db", busy_timeout=0.1))
+    holder = sqlite3.connect(tmp_path / "chats.db", isolation_level=None)  # a third window, mid-write
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.settings.model is not None)
+            holder.execute("BEGIN EXCLUSIVE")
+            await send(pilot, "q1")
+            await until(pilot, lambda: len(app.messages) == 2 and not app.generating)
+            await pilot.pause(0.05)
+            failed = [m for m in notes(app) if "Saving the chat failed" in m]
+            assert len(failed) == 2 and "locked" in failed[0]  # the prompt's save and the reply's
+            assert app.unsaved and app.chat_id is None
+            assert ChatStore(tmp_path / "chats.db").list_chats() == []  # no empty chat left behind
+            holder.execute("COMMIT")
+            await send(pilot, "q2")  # the app kept running, and this save carries the earlier exchange
+            await until(pilot, lambda: len(app.messages) == 4 and not app.generating)
+            assert not app.unsaved and stored(tmp_path, app.chat_id) == ["q1", "r1", "q2", "r2"]
+            holder.execute("BEGIN EXCLUSIVE")
+            await send(pilot, "q3")
+            await until(pilot, lambda: len(app.messages) == 6 and not app.generating)
+            assert app.unsaved
+            holder.execute("COMMIT")
+            await pilot.press("ctrl+q")  # quitting retries the failed save
+        assert stored(tmp_path, app.chat_id) == ["q1", "r1", "q2", "r2", "q3", "r3"]
+
+    asyncio.run(go())
+
+
+def test_a_new_chat_mid_reply_files_the_reply_under_its_own_chat(tmp_path):
+    fake = FakeOpenAI([["one", " two", " three"]])
+    app = make_app(tmp_path, fake)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.settings.model is not None)
+            fake.hold_after = 1
+            await send(pilot, "first")
+            await until(pilot, lambda: fake.reached_hold.is_set())
+            first = app.chat_id
+            await pilot.press("ctrl+n")
+            await until(pilot, lambda: not app.generating)
+            await pilot.pause(0.05)
+            assert app.messages == [] and app.chat_id is None  # the new chat does not begin with that reply
+            saved = ChatStore(tmp_path / "chats.db").messages(first)
+            assert [m.content for m in saved] == ["first", "one"] and saved[-1].stopped
+
+    asyncio.run(go())
+
+
+def test_deleting_the_open_chat_in_the_history_starts_a_new_one(tmp_path):
+    fake = FakeOpenAI([["r1"], ["r2"]])
+    app = make_app(tmp_path, fake)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.settings.model is not None)
+            await send(pilot, "q1")
+            await until(pilot, lambda: len(app.messages) == 2 and not app.generating)
+            await pilot.press("ctrl+o")
+            await until(pilot, lambda: isinstance(app.screen, HistoryScreen))
+            await pilot.press("d")
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, HistoryScreen))
+            assert app.chat_id is None and app.messages == [] and len(app.query(Bubble)) == 0
+            await send(pilot, "q2")
+            await until(pilot, lambda: len(app.messages) == 2 and not app.generating)
+            assert not any("another window" in m for m in notes(app))
+            chats = ChatStore(tmp_path / "chats.db").list_chats()
+            assert [c.title for c in chats] == ["q2"] and stored(tmp_path, app.chat_id) == ["q2", "r2"]
 
     asyncio.run(go())
 

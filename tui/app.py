@@ -4,13 +4,17 @@ The reply streams into a Markdown widget as tokens arrive; the transcript stays 
 bottom unless the user scrolls up. Generation runs in an async worker on the app's own event loop,
 so the input stays responsive and Esc cancels it at once (the HTTP stream closes, the server aborts
 the request and frees its pages); the partial reply is kept and marked stopped. Chats are saved to
-SQLite (tui/store.py) after every exchange. Errors are notifications, never tracebacks.
+SQLite (tui/store.py): the prompt when it is sent, the reply when it ends or is stopped. Errors are
+notifications, never tracebacks; every store call runs inside ChatApp.database() for that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 
 from textual import on, work
@@ -18,10 +22,11 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.message import Message as TMessage
+from textual.screen import ModalScreen
 from textual.widgets import Footer, Header, Markdown, Static, TextArea
 
 from lowbit.tui.client import ChatClient, ChatError, Settings, Stats
-from lowbit.tui.store import ChatStore, Message
+from lowbit.tui.store import ChatDeleted, ChatStore, Message
 
 _CODE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
 
@@ -68,7 +73,7 @@ class ChatApp(App):
     PromptInput { height: auto; max-height: 8; min-height: 3; }
     """
     BINDINGS = [
-        Binding("escape", "stop", "Stop", priority=True),
+        Binding("escape", "escape", "Stop", priority=True),
         Binding("ctrl+n", "new_chat", "New", priority=True),
         Binding("ctrl+r", "regenerate", "Redo", priority=True),
         Binding("ctrl+l", "copy_reply", "Copy", priority=True),
@@ -92,6 +97,7 @@ class ChatApp(App):
         self.messages: list[Message] = []
         self.last_stats: Stats | None = None
         self.generating = False
+        self.unsaved = False  # the last save failed: the next one (or quitting) tries again
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -172,6 +178,7 @@ class ChatApp(App):
         self.query_one("#prompt", PromptInput).clear()
         self.messages.append(Message("user", text))
         await self.query_one("#transcript").mount(Bubble("user", text))
+        self.save()  # before the reply streams: a crash mid-reply keeps the prompt
         self.generate()
 
     @work(exclusive=True, group="generate")
@@ -181,6 +188,8 @@ class ChatApp(App):
         await transcript.mount(bubble)
         stream = Markdown.get_stream(bubble)
         reply = Message("assistant", "")
+        # the chat this reply belongs to, even if Ctrl+N or the history opens another before it ends
+        messages, chat_id = self.messages, self.chat_id
         self.generating = True
         try:
             async for chunk in self.client.stream_chat(self.wire_messages(), self.settings,
@@ -205,21 +214,51 @@ class ChatApp(App):
             if reply.stopped and reply.content:
                 await bubble.update(reply.content + "\n\n*(stopped)*")
             if reply.content:
-                self.messages.append(reply)
+                messages.append(reply)
             else:  # nothing arrived (an error, or Esc before the first token): no empty reply kept
                 await bubble.remove()
                 if reply.stopped:
                     self.notify("Stopped before the reply began.")
-            self.save()
+            if messages is self.messages:
+                self.save()
+            else:  # another chat is open now: file the reply under its own, unless that was deleted
+                self.write(chat_id, messages, None, recreate=False)
             self.show_status()
 
+    @contextmanager
+    def database(self, doing: str) -> Iterator[None]:
+        """The one place a store call's sqlite3.Error (locked past the busy timeout, disk full, a broken
+        file) ends: a notification, and the rest of the block is skipped. The app keeps running."""
+        try:
+            yield
+        except sqlite3.Error as e:
+            self.notify(f"{doing} failed: {e}", title="Chat history", severity="error", timeout=10)
+
     def save(self) -> None:
-        if not self.messages:
-            return
-        if self.chat_id is None:
-            first = self.messages[0].content
-            self.chat_id = self.store.new_chat(first[:48] + ("…" if len(first) > 48 else ""))
-        self.store.save_messages(self.chat_id, self.messages, asdict(self.settings))
+        """Save the open chat; on failure it stays marked unsaved for the next save to retry."""
+        if self.messages:
+            saved = self.write(self.chat_id, self.messages, asdict(self.settings))
+            self.unsaved = saved is None
+            if saved is not None:  # a new chat's id, or the one a deleted chat was saved anew as
+                self.chat_id = saved
+
+    def write(self, chat_id: int | None, messages: list[Message], settings: dict | None,
+              recreate: bool = True) -> int | None:
+        """Merge `messages` into chat `chat_id` (None: a new chat); its id, or None if it failed.
+        recreate: a chat deleted meanwhile is saved anew (it is on screen), else let go."""
+        first = messages[0].content
+        title = first[:48] + ("…" if len(first) > 48 else "")
+        with self.database("Saving the chat"):
+            try:
+                return self.store.save_messages(chat_id, messages, settings, title)
+            except ChatDeleted:  # deleted in another window: keep what is on screen, as a chat of its own
+                if not recreate:
+                    return None
+                chat_id = self.store.save_messages(None, messages, settings, title)
+                self.notify("This chat was deleted in another window; it is saved as a new chat.",
+                            title="Chat history", severity="warning")
+                return chat_id
+        return None
 
     # ---- actions -------------------------------------------------------------------------------
 
@@ -227,9 +266,22 @@ class ChatApp(App):
         if self.generating:
             self.workers.cancel_group(self, "generate")
 
+    def action_escape(self) -> None:
+        """Esc stops the reply; else it closes the open dialog, whose own Esc binding never runs
+        (this one is a priority binding, checked first)."""
+        if self.generating:
+            self.action_stop()
+        elif isinstance(self.screen, ModalScreen):
+            self.screen.dismiss(None)
+
+    async def action_quit(self) -> None:
+        if self.unsaved and not self.generating:  # a generating worker saves as it is cancelled
+            self.save()
+        self.exit()
+
     async def action_new_chat(self) -> None:
         self.action_stop()
-        self.chat_id, self.messages, self.last_stats = None, [], None
+        self.chat_id, self.messages, self.last_stats, self.unsaved = None, [], None, False
         await self.query_one("#transcript").remove_children()
         self.show_status()
 
@@ -289,13 +341,13 @@ class ChatApp(App):
 
     async def open_chat(self, chat_id: int) -> None:
         self.action_stop()
-        self.chat_id = chat_id
-        self.messages = self.store.messages(chat_id)
-        saved = self.store.settings(chat_id)
-        if saved:
-            self.settings = Settings(**{**asdict(self.settings), **saved})
-        transcript = self.query_one("#transcript")
-        await transcript.remove_children()
-        await transcript.mount_all([Bubble(m.role, m.content, m.stopped) for m in self.messages])
-        self.last_stats = None
-        self.show_status()
+        with self.database("Opening the chat"):  # a failed read leaves the open chat as it is
+            messages, saved = self.store.load(chat_id), self.store.settings(chat_id)
+            self.chat_id, self.messages, self.unsaved = chat_id, messages, False
+            if saved:
+                self.settings = Settings(**{**asdict(self.settings), **saved})
+            transcript = self.query_one("#transcript")
+            await transcript.remove_children()
+            await transcript.mount_all([Bubble(m.role, m.content, m.stopped) for m in self.messages])
+            self.last_stats = None
+            self.show_status()

@@ -101,7 +101,8 @@ class SettingsScreen(ModalScreen[Settings | None]):
 
 
 class HistoryScreen(ModalScreen[int | None]):
-    """Enter opens the highlighted chat; r renames it, d deletes it, e exports it to Markdown."""
+    """Enter opens the highlighted chat; r renames it, d deletes it, e exports it to Markdown.
+    Store calls run inside the app's database() guard: a locked file is a notification here too."""
 
     CSS = _DIALOG_CSS.format(name="HistoryScreen") + "HistoryScreen OptionList { height: 16; }"
     BINDINGS = [Binding("escape", "close", "Close"), Binding("r", "rename", "Rename"),
@@ -121,7 +122,9 @@ class HistoryScreen(ModalScreen[int | None]):
         self.refresh_list()
 
     def refresh_list(self) -> None:
-        chats = self.store.list_chats()
+        chats = []
+        with self.app.database("Reading the history"):
+            chats = self.store.list_chats()
         ol = self.query_one("#chats", OptionList)
         ol.clear_options()
         ol.add_options([Option(f"{c.title}  ({c.n_messages} messages)", id=str(c.id)) for c in chats])
@@ -146,25 +149,36 @@ class HistoryScreen(ModalScreen[int | None]):
 
         def done(title: str | None) -> None:
             if title is not None:
-                self.store.rename(chat, title)
+                with self.app.database("Renaming the chat"):
+                    self.store.rename(chat, title)
                 self.refresh_list()
 
-        self.app.push_screen(RenameScreen(self.store.title(chat)), done)
+        with self.app.database("Reading the chat"):
+            self.app.push_screen(RenameScreen(self.store.title(chat)), done)
 
-    def action_delete(self) -> None:
+    async def action_delete(self) -> None:
         chat = self.current()
-        if chat is not None:
+        if chat is None:
+            return
+        with self.app.database("Deleting the chat"):
             self.store.delete(chat)
-            self.refresh_list()
+            if chat == self.app.chat_id:  # the chat on screen: the window moves on to a new one
+                await self.app.action_new_chat()
             self.notify("Chat deleted.")
+        self.refresh_list()
 
     def action_export(self) -> None:
         chat = self.current()
         if chat is None:
             return
         path = self.export_dir / f"lowbit-chat-{chat}.md"
-        path.write_text(self.store.export_markdown(chat), encoding="utf-8")
-        self.notify(f"Exported to {path}")
+        with self.app.database("Exporting the chat"):
+            try:
+                path.write_text(self.store.export_markdown(chat), encoding="utf-8")
+            except OSError as e:  # an unwritable folder, a full disk
+                self.notify(f"Exporting failed: {e}", severity="error")
+                return
+            self.notify(f"Exported to {path}")
 
     def action_close(self) -> None:
         self.dismiss(None)
