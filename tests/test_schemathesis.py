@@ -1,0 +1,73 @@
+"""Fuzz lowbit serve from its own /openapi.json (issue 25 item 10): no 5xx, replies match the schema."""
+
+import os, signal, subprocess, sys, time
+
+import httpx
+import hypothesis
+import pytest
+import schemathesis
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import response_schema_conformance
+
+from lowbit.runtime.ports import free_port
+
+KEY = "sk-fuzz"
+
+
+@pytest.fixture(scope="session")
+def fuzz_server(default_gguf, tmp_path_factory):
+    """A small-context server (--ctx-size 256) so generation-heavy examples stay fast."""
+    port, log = free_port(), tmp_path_factory.mktemp("fuzz") / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "lowbit.runtime.cli", "serve", str(default_gguf), "--port",
+                                 str(port), "--ctx-size", "256", "--kv-memory", "64MiB"],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "LOWBIT_API_KEY": KEY})
+    base, deadline = f"http://127.0.0.1:{port}", time.time() + 120
+    try:
+        while True:
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+schema = schemathesis.pytest.from_fixture("fuzz_schema")
+
+
+@pytest.fixture(scope="session")
+def fuzz_schema(fuzz_server):
+    return schemathesis.openapi.from_url(fuzz_server + "/openapi.json")
+
+
+@pytest.fixture(scope="session")
+def sent() -> dict:
+    """Examples sent, by operation and status: the run must really cover every route."""
+    return {}
+
+
+@schema.parametrize()
+@hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
+def test_fuzz(case, sent):
+    r = case.call_and_validate(headers={"Authorization": f"Bearer {KEY}"},
+                               checks=[not_a_server_error, response_schema_conformance])
+    key = (case.method, case.operation.path)
+    sent.setdefault(key, []).append(r.status_code)
+
+
+def test_fuzz_sent_500_examples_over_every_route(sent, fuzz_schema):
+    routes = {(op.method.upper(), op.path) for op in (r.ok() for r in fuzz_schema.get_all_operations())}
+    assert routes and routes <= {(m.upper(), p) for m, p in sent}, routes - {(m.upper(), p) for m, p in sent}
+    total = sum(map(len, sent.values()))
+    assert total >= 500, total
+    ok = sum(1 for codes in sent.values() for c in codes if c < 300)
+    print(f"schemathesis: {total} examples over {len(sent)} operations, {ok} answered 2xx")
