@@ -19,6 +19,7 @@ import pytest
 
 from lowbit.runtime.bench.client import RESULT_FIELDS, BenchConfig, bench, build_prompts
 from lowbit.runtime.bench.metrics import parse_slo
+from lowbit.runtime.errors import LowbitError
 
 TTFT = [0.25, 0.5, 0.75, 1.0]  # seconds, request i's time to first content chunk
 D = 0.0625  # seconds between content chunks
@@ -187,3 +188,25 @@ def test_slo_parsing():
     for bad in ("ttft", "speed=3", "ttft=-1"):
         with pytest.raises(ValueError):
             parse_slo(bad)
+
+
+@pytest.mark.parametrize("given, base", [
+    ("http://127.0.0.1:8000", "http://127.0.0.1:8000/v1"),  # the server's root, as vLLM's benchmark takes it
+    ("http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1"),
+    ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1"),
+    ("http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000/v1"),
+    ("https://proxy.example/openai/v1", "https://proxy.example/openai/v1"),  # a path is kept as given
+])
+def test_base_url_is_the_root_or_the_v1_url(given, base):
+    from lowbit.runtime.api_url import api_base
+
+    assert api_base(given) == base
+
+
+@pytest.mark.parametrize("given", ["127.0.0.1:8000", "ftp://host/v1", "http://", "http://h:1/v1?x=1"])
+def test_a_base_url_that_is_not_an_http_url_is_one_line(given):
+    from lowbit.runtime.api_url import api_base
+
+    with pytest.raises(LowbitError) as e:
+        api_base(given)
+    assert "--base-url" in str(e.value) and repr(given) in str(e.value)

@@ -18,7 +18,8 @@ def test_bench_against_lowbit_serve(lowbit_server, tmp_path):
 
     base, _, _ = lowbit_server
     out = tmp_path / "result.json"
-    r = subprocess.run([sys.executable, "-m", "lowbit.runtime.cli", "bench", "--base-url", base + "/v1",
+    # the server's root, as vLLM's benchmark takes it: bench finds the API under /v1
+    r = subprocess.run([sys.executable, "-m", "lowbit.runtime.cli", "bench", "--base-url", base,
                         "--api-key", "sk-acceptance", "--concurrency", "1,4", "--num-prompts", "4",
                         "--input-len", "64", "--output-len", "16", "--ignore-eos", "--out", str(out),
                         "--slo", "ttft=60000"], capture_output=True, text=True, timeout=600)

@@ -165,3 +165,21 @@ def test_several_processes_writing_one_chat_lose_nothing(tmp_path):
     for name in names:  # every process's messages, each in the order it wrote them
         assert [c for c in got if c.startswith(name + " ")] == [
             f"{name} {role} {i}" for i in range(n) for role in ("user", "assistant")]
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda p: p.mkdir(), "unable to open database file"),  # a directory where the file should be
+    (lambda p: p.write_bytes(b"not a database\n" * 100), "file is not a database"),
+], ids=["a-directory", "not-sqlite"])
+def test_lowbit_chat_with_an_unusable_history_file_is_one_line(tmp_path, make, needle):
+    """`lowbit chat` (the real CLI, in a subprocess) stops before it loads a model or starts the app:
+    one line naming the file, exit 1, no traceback."""
+    path = tmp_path / "chats.sqlite3"
+    make(path)
+    r = subprocess.run([sys.executable, "-m", "lowbit.runtime.cli", "chat", "--history", str(path),
+                        "--base-url", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 1 and r.stdout == "", r
+    line = r.stderr.rstrip("\n")
+    assert "\n" not in line and "Traceback" not in line, r.stderr
+    assert line.startswith(f"lowbit: error: cannot open the chat history {path}: ") and needle in line, line

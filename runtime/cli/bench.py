@@ -31,7 +31,8 @@ def add_bench_parser(sub) -> None:
                                        "RESULTS...` charts result files side by side.",
                            epilog=METRICS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"),
-                       help="the server's /v1 URL (default: $OPENAI_BASE_URL, else http://127.0.0.1:8000/v1)")
+                       help="the server's API URL, its root (http://host:port, as vLLM's benchmark takes it) "
+                            "or its /v1 URL (default: $OPENAI_BASE_URL, else http://127.0.0.1:8000/v1)")
     bench.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
     bench.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                        help="sent as a Bearer token (default: $OPENAI_API_KEY)")
@@ -78,6 +79,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _config(args):
+    from lowbit.runtime.api_url import api_base
     from lowbit.runtime.bench.client import DEFAULT_TEXT, BenchConfig
     from lowbit.runtime.bench.metrics import parse_slo
 
@@ -97,7 +99,7 @@ def _config(args):
         slo = parse_slo(args.slo)
     except ValueError as e:
         raise LowbitError(str(e)) from None
-    return BenchConfig(base_url=args.base_url.rstrip("/"), model=args.model, api_key=args.api_key,
+    return BenchConfig(base_url=api_base(args.base_url), model=args.model, api_key=args.api_key,
                        input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
                        seed=args.seed, concurrency=_ints(args.concurrency, "--concurrency"),
                        request_rate=args.request_rate, max_concurrency=args.max_concurrency, warmup=args.warmup,

@@ -30,7 +30,7 @@ def add_chat_parser(sub) -> None:
     add_model_args(chat)
     add_engine_args(chat)
     chat.add_argument("--base-url", default=None,
-                      help="use this OpenAI-compatible server (its /v1 URL) instead of loading a model here")
+                      help="use this OpenAI-compatible server (its root or its /v1 URL) instead of loading a model here")
     chat.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                       help="Bearer token for --base-url (default: $OPENAI_API_KEY)")
     chat.add_argument("--history", default=None,
@@ -77,6 +77,23 @@ def stop_local_server(handle) -> None:
     thread.join(timeout=10)
 
 
+def open_history(store_class, path):
+    """The chat store, or one line naming the file when it cannot be opened (a directory in the
+    way, no permission, a file that is not SQLite)."""
+    import sqlite3
+
+    from lowbit.runtime.errors import LowbitError
+
+    try:
+        return store_class(path)
+    except (OSError, sqlite3.Error) as e:
+        from lowbit.tui.store import default_path
+
+        where = path or default_path()
+        raise LowbitError(f"cannot open the chat history {where}: {e} "
+                          "(--history or $LOWBIT_CHAT_DB chooses another file)") from None
+
+
 def cmd_chat(args) -> int:
     from lowbit.runtime.errors import LowbitError
 
@@ -88,15 +105,17 @@ def cmd_chat(args) -> int:
         raise LowbitError(f"`lowbit chat` needs textual ({e})") from None
     if args.max_tokens < 1:
         raise LowbitError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    store = open_history(ChatStore, args.history)  # before a model loads: a bad file fails in an instant
     failure: list[BaseException] = []
     server = None
     if args.base_url:
-        base_url, api_key = args.base_url.rstrip("/"), args.api_key
+        from lowbit.runtime.api_url import api_base
+
+        base_url, api_key = api_base(args.base_url), args.api_key
     else:
         base_url, server = start_local_server(args, failure)
         api_key = None
     settings = Settings(system_prompt=args.system, temperature=args.temperature, max_tokens=args.max_tokens)
-    store = ChatStore(args.history)
     app = ChatApp(ChatClient(base_url, api_key), store, settings,
                   startup_error=lambda: (f"{type(failure[0]).__name__}: {failure[0]}" if failure else None))
     try:
