@@ -71,3 +71,13 @@ def test_fuzz_sent_500_examples_over_every_route(sent, fuzz_schema):
     assert total >= 500, total
     ok = sum(1 for codes in sent.values() for c in codes if c < 300)
     print(f"schemathesis: {total} examples over {len(sent)} operations, {ok} answered 2xx")
+
+
+def test_every_operation_has_its_own_id_and_head_root_still_answers(fuzz_server):
+    """GET and HEAD / share one route in Ollama; in the schema, two methods of one route would share an
+    operation id, which schema tools (and FastAPI's own warning) reject."""
+    doc = httpx.get(fuzz_server + "/openapi.json", timeout=10).json()
+    ids = [op["operationId"] for ops in doc["paths"].values() for op in ops.values()]
+    assert ids and len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    assert httpx.head(fuzz_server + "/", timeout=10).status_code == 200
+    assert httpx.get(fuzz_server + "/", timeout=10).text == "Ollama is running"

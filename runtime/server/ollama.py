@@ -485,9 +485,13 @@ def add_ollama_routes(app: FastAPI, core) -> None:
         _check_think(body)
         return t0, served, body, name, stream
 
-    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.get("/")
     async def root():
         return PlainTextResponse("Ollama is running")
+
+    # HEAD / as well (Ollama's clients probe with it), one route of its own: a route of two methods
+    # gives both one OpenAPI operation id, which FastAPI warns about and schema tools reject
+    app.add_api_route("/", root, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/api/version")
     async def version():

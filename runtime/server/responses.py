@@ -365,6 +365,7 @@ class ResponsesStream:
         self.output = Output()
         self.seq = 0
         self.status, self.usage, self.incomplete, self.error = "in_progress", None, None, None
+        self.failure: APIError | None = None  # what ended the reply, when it failed: a non-streamed reply's answer
 
     def response(self) -> dict:
         done = self.status != "in_progress"
@@ -412,7 +413,7 @@ class ResponsesStream:
                 for e in self._numbered(events):
                     yield e
         except APIError as e:  # the engine failed after the reply began
-            self.status, self.error = "failed", {"code": "server_error", "message": e.message}
+            self.status, self.error, self.failure = "failed", {"code": e.code or "server_error", "message": e.message}, e
             for ev in self._numbered([{"type": "response.failed", "response": self.response()}]):
                 yield ev
             return
@@ -459,8 +460,8 @@ def add_responses_routes(app: FastAPI, core) -> None:
                     pass
             finally:
                 await deltas.aclose()
-            if last["type"] == "response.failed":
-                raise APIError(500, last["response"]["error"]["message"], "server_error")
+            if stream.failure is not None:  # the engine failed (500) or the server is shutting down (503)
+                raise stream.failure
             return JSONResponse(last["response"])
 
         async def body_bytes() -> AsyncIterator[bytes]:
