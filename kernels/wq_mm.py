@@ -11,8 +11,8 @@ Layout (`WQPacked`), built once at load time from the loader's row-major layout:
 128 x 64 tiles laid out for the tensor-core operand (kernels/wq_tile.py), so a program's plain
 16-byte loads put every code where the MMA reads it — no shared memory, no layout conversion:
 
-    int4  qweight uint8 [Np/128, Kp/tk, 64 tk]   (two codes a byte; tk = 64, or 32 for groups of 32)
-    int8  qweight int8  [Np/128, Kp/tk, 128 tk]
+    int4  qweight uint8 [Np/128, Kp/64, 4096]   (two codes a byte, four a 16-bit word)
+    int8  qweight int8  [Np/128, Kp/64, 8192]
           scales  fp16  [Kp/g, Np] per group (fp32 [1, Np] per channel), mins fp16 [Kp/g, Np]
 
 (Np, Kp: N and K rounded up to whole tiles and groups; the padding holds zero codes and scales.)
@@ -23,7 +23,8 @@ per instruction, kernels/wq_tile.py) and one dot multiplies them, exact integers
 scale factors out of the dot and is applied in fp32 once per group:
 acc += (codes @ x^T) * d (+ m * sum(x over the group), for the asymmetric layout) — more accurate
 than dequantizing w to fp16/bf16 first, which rounds every weight (2^-11 / 2^-8 relative). Groups of
-64k columns take whole 64-column tiles; other multiples of 32, tiles of 32 columns.
+64k columns take whole 64-column tiles; other multiples of 32 split each tile's dot by 32-column
+halves (x^T's rows of each half in columns of their own), each half scaled by its group.
 
 Decode (M <= 16) splits K over the grid so ~2 programs per SM stream the weights once. Each split
 writes its fp32 partial sums to a workspace and takes a ticket; the last split of a column tile
@@ -52,7 +53,6 @@ from lowbit.kernels.wq_tile import (
     tile_codes,
     tile_pack_int4,
     tile_pack_int8,
-    tile_width,
 )
 
 DECODE_MAX_ROWS = 16  # up to this many rows: one row tile, K split over the grid
@@ -76,12 +76,8 @@ class WQPacked:
     configs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
-    def tile_k(self) -> int:
-        return tile_width(self.group_size, self.per_channel)
-
-    @property
     def padded_in_features(self) -> int:
-        return self.qweight.shape[1] * self.tile_k
+        return self.qweight.shape[1] * TILE_K
 
     @property
     def padded_out_features(self) -> int:
@@ -120,7 +116,7 @@ def wq_pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
         raise ValueError(f"wq_pack_int4: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} "
                          f"do not form groups of {group_size} (a multiple of 32)")
     Np, Kp = padded(N, Kg)  # groups of 64k: Kp = Kg; others: Kp/g groups rounded up, the last padding
-    q = tile_pack_int4(_pad(codes, Np, Kp, 8 if mins is None else 0), tile_width(group_size, False))  # padding: 0
+    q = tile_pack_int4(_pad(codes, Np, Kp, 8 if mins is None else 0))  # padding: 0
     return WQPacked(q, _group_rows(scales.half(), group_size, Kp, Np),
                     None if mins is None else _group_rows(mins.half(), group_size, Kp, Np), 4, group_size,
                     in_features, N)
@@ -135,19 +131,18 @@ def wq_pack_int8(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) 
     per_channel = G == 1 and scales.dtype == torch.float32
     group = Kg if per_channel else Kg // G
     Np, Kp = padded(N, Kg)
-    q = tile_pack_int8(_pad(qweight, Np, Kp), tile_width(group, per_channel))
+    q = tile_pack_int8(_pad(qweight, Np, Kp))
     s = _pad(scales.t().float(), 1, Np) if per_channel else _group_rows(scales.half(), group, Kp, Np)
     return WQPacked(q, s, None, 8, group, in_features, N)
 
 
 @triton.jit
-def _tile(q_ptr, t, BITS: tl.constexpr, HAS_MIN: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr,
-          TK: tl.constexpr):
-    """Weight tile t (row block and K tile in one index) → [128, TK] values in DTYPE."""
+def _tile(q_ptr, t, BITS: tl.constexpr, HAS_MIN: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """Weight tile t (row block and K tile in one index) → [128, 64] values in DTYPE."""
     if BITS == 4:
-        v = load_int4_tile(q_ptr, t, not HAS_MIN, DTYPE, ASM, TK)
+        v = load_int4_tile(q_ptr, t, not HAS_MIN, DTYPE, ASM)
     else:
-        v = load_int8_tile(q_ptr, t, DTYPE, ASM, TK)
+        v = load_int8_tile(q_ptr, t, DTYPE, ASM)
     return v
 
 
@@ -173,32 +168,55 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * 128 + tl.arange(0, 128)
     m_ok = offs_m < M
-    # a chunk of the K loop: one group of 64k columns (its tiles summed before the scale), else 64
-    # columns: one 64-column tile per channel, or two 32-column tiles, each its own group's
+    # a chunk of the K loop: one group of 64k columns (its tiles summed before the scale), one
+    # 64-column tile per channel, else four 64-column tiles whose 32-column halves are groups
     WHOLE: tl.constexpr = PER_CHANNEL or GROUP % 64 == 0
     TPC: tl.constexpr = GROUP // 64 if (WHOLE and not PER_CHANNEL) else 1  # 64-column tiles per chunk
-    CH: tl.constexpr = 64 * TPC  # columns per chunk
+    CH: tl.constexpr = 64 * TPC if WHOLE else 256  # columns per chunk
     n_chunks = tl.cdiv(K, CH)
     per_split = tl.cdiv(n_chunks, SPLIT_K)
     acc = tl.zeros((128, BLOCK_M), dtype=tl.float32)  # y^T tile
     for c in range(pid_s * per_split, tl.minimum((pid_s + 1) * per_split, n_chunks)):
         if PER_CHANNEL:  # one scale per row, applied at the end
-            acc = tl.dot(_tile(q_ptr, pid_n * KT + c, BITS, HAS_MIN, DTYPE, ASM, 64),
+            acc = tl.dot(_tile(q_ptr, pid_n * KT + c, BITS, HAS_MIN, DTYPE, ASM),
                          _x_tile(x_ptr, c * 64, offs_m, m_ok, K, stride_xm, 64, DTYPE), acc, input_precision=PREC)
         elif WHOLE:
             part = tl.zeros((128, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(TPC):
                 t = c * TPC + s
                 x = _x_tile(x_ptr, t * 64, offs_m, m_ok, K, stride_xm, 64, DTYPE)  # [64, BM]
-                part = tl.dot(_tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM, 64), x, part,
+                part = tl.dot(_tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM), x, part,
                               input_precision=PREC)
             acc += part * tl.load(s_ptr + c * NP + offs_n).to(tl.float32)[:, None]
-        else:  # groups of 32 (or an odd multiple): 32-column tiles, each scaled by its group's scale
-            for h in tl.static_range(2):
-                t = 2 * c + h
-                part = tl.dot(_tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM, 32),
-                              _x_tile(x_ptr, t * 32, offs_m, m_ok, K, stride_xm, 32, DTYPE), input_precision=PREC)
-                acc += part * tl.load(s_ptr + ((t * 32) // GROUP) * NP + offs_n).to(tl.float32)[:, None]
+        else:
+            # groups of 32 (or an odd multiple): a 64-column tile holds two half-tiles of 32 columns,
+            # each all in one group. One dot per tile against x^T split by halves, [64, (m, half)]:
+            # column (m, 0) is x row m in the first 32 rows, 0 in the others, (m, 1) the other way
+            # round, so the dot's columns are the two halves' sums apart, each then scaled by its
+            # own group. A chunk is four tiles (8 halves, 256 columns), its 8 scales loaded at once:
+            # longer loads in flight per iteration. Tiles of a last chunk past the final tile read
+            # that tile again, against x^T of 0 (past K): they add 0.
+            j = tl.arange(0, 2 * BLOCK_M)
+            mm = pid_m * BLOCK_M + j // 2
+            upper = (tl.arange(0, 64) // 32)[:, None] == (j % 2)[None, :]
+            n_rows = tl.cdiv(KT * 64, GROUP)  # scale rows
+            g8 = tl.minimum((c * 256 + tl.arange(0, 8) * 32) // GROUP, n_rows - 1)
+            s8 = tl.load(s_ptr + g8[None, :] * NP + offs_n[:, None]).to(tl.float32)  # [128, 8]: (tile, half)
+            e, o = tl.split(s8.reshape(128, 2, 2, 2).permute(0, 3, 1, 2))  # [128, half, t1]
+            s0, s2 = tl.split(e)
+            s1, s3 = tl.split(o)
+            for h in tl.static_range(4):
+                kk = c * 256 + h * 64 + tl.arange(0, 64)
+                xx = tl.load(x_ptr + mm[None, :] * stride_xm + kk[:, None],
+                             mask=upper & (mm < M)[None, :] & (kk < K)[:, None], other=0.0,
+                             eviction_policy="evict_last").to(DTYPE)  # [64, 2 BM]
+                t = tl.minimum(4 * c + h, KT - 1)
+                part = tl.dot(_tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM), xx,
+                              input_precision=PREC)  # [128, 2 BM]
+                pa, pb = tl.split(part.reshape(128, BLOCK_M, 2))
+                sa, sb = tl.split(s0 if h == 0 else (s1 if h == 1 else (s2 if h == 2 else s3)))
+                acc += pa * sa[:, None]
+                acc += pb * sb[:, None]
     if HAS_MIN:
         # the mins' term, sum over this split's groups g of m[n, g] * xs[g, m] (xs: x summed over
         # each group, once per call), as dots over 16 groups at a time: the fp16 mins are exact in
@@ -248,15 +266,15 @@ def _xsum_kernel(x_ptr, xs_ptr, K, G, stride_xm, stride_xs, GROUP: tl.constexpr,
 
 @triton.jit
 def _wq_dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, NP, KT, BITS: tl.constexpr, HAS_MIN: tl.constexpr,
-                       PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr, TK: tl.constexpr):
+                       PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
     """W^T [Kp, Np] in w's dtype for the prefill path: d * u (+ m) in fp32, rounded once; per channel
-    the bare codes (exact), whose scale the caller applies to y. One program per tile of TK columns."""
+    the bare codes (exact), whose scale the caller applies to y. One program per tile of 64 columns."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     DTYPE: tl.constexpr = w_ptr.dtype.element_ty
     offs_n = pid_n * 128 + tl.arange(0, 128)
-    offs_k = t * TK + tl.arange(0, TK)
-    u = _tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM, TK).to(tl.float32)  # [128, TK], exact codes
+    offs_k = t * 64 + tl.arange(0, 64)
+    u = _tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM).to(tl.float32)  # [128, 64], exact codes
     if not PER_CHANNEL:
         g = (offs_k // GROUP)[None, :]
         u = u * tl.load(s_ptr + g * NP + offs_n[:, None]).to(tl.float32)
@@ -403,7 +421,7 @@ def _launch(x: torch.Tensor, w: WQPacked, y: torch.Tensor, cfg: LaunchConfig) ->
         # prefill: a per-call W^T copy [Kp, Np] in x's dtype (4096x4096 bf16: 32 MiB, freed on return)
         wt = torch.empty((w.padded_in_features, NP), device=x.device, dtype=x.dtype)
         _wq_dequant_kernel[(w.qweight.shape[0], KT)](w.qweight, w.scales, mins, wt, NP, KT, **common,
-                                                       TK=w.tile_k, **tune)
+                                                       **tune)
         out = torch.matmul(x, wt[: w.in_features, : w.out_features])  # cuBLAS, fp32 accumulation
         y.copy_(out if not w.per_channel else out * w.scales[0, : w.out_features])  # per channel: y = (x @ q^T) * s
         return

@@ -1,5 +1,5 @@
 """The tensor-core operand tile of the GPU weight-only matmul (kernels/wq_mm.py): how a 128-row x
-64-column (or 32-column) block of quantized weights lies in memory so that each thread's 16-byte loads hold exactly
+64-column block of quantized weights lies in memory so that each thread's 16-byte loads hold exactly
 the codes its part of the MMA's A operand needs, and how those codes become fp16/bf16 in registers.
 
 The matmul is swapped, y^T[N, M] = W[N, K] @ x^T[K, M], so the weights are the dot's left operand,
@@ -11,30 +11,29 @@ from one bit of the register, lane or warp index):
     lane bits      k1 k2 n0 n1 n2
     warp bits      n4 n5
 
-A tile is stored so that a plain coalesced load — [128, 32] bytes for int4 (16 bytes, then a
-second lane, per thread), [128, 64] for int8 — lands in registers in exactly that layout after a
-reshape and a transpose that only rename bits (no data moves). Nothing is converted through shared
-memory: tests/bench/sass_count.py counts the loop.
+A tile is stored so that a plain coalesced load — [128, 16] 16-bit words for int4 (16 bytes, then a
+second lane, per thread), [128, 64] bytes for int8 — lands in registers in exactly that layout after
+a reshape and a transpose that only rename bits (no data moves). Nothing is converted through
+shared memory: tests/bench/sass_count.py counts the loop. Groups of 32 (or an odd multiple) use the
+same 64-column tiles; the kernel splits a tile's two halves apart in the dot, not in registers.
 
-int4: byte b of a tile row holds two codes, nibble j (0 low, 1 high) being column
-k = 16 (b >> 3) + 8 j + (b & 7), so the low nibbles of 8 consecutive bytes are 8 consecutive k and
-their high nibbles the 8 after; every byte is decoded alone (lo, hi), which is what lets the
-interpreter decode it with plain integer ops. In memory, row T and byte R of the loaded [128, 32]
-block hold the tile's (n, b) with, bit for bit,
-    T = (b2, n0, n1, n2, n4, n5, n6),  R = (b0, n3, b3, b4, b1)   (least significant first).
+int4: 16-bit word u of a tile row holds four codes, nibble j (bits 4j .. 4j + 3) being column
+k = 32 u3 + 16 j1 + 8 j0 + (u & 7) (u3, j1, j0: bits of u and j). In memory, row T and word R of
+the loaded [128, 16] block hold the tile's (n, k) with, bit for bit,
+    T = (k2, n0, n1, n2, n4, n5, n6),  R = (k0, n3, k5, k1)   (least significant first),
+so a 32-bit register holds the words of columns k and k + 1, and nibble j of both words decodes
+into one fp16/bf16 pair: codes (0, 4) of the register, (1, 5), (2, 6), (3, 7).
 int8: the code of (n, k) itself, with
     T = (n0, n1, n2, n4, n5, k5, n6),  R = (k0, n3, k3, k4, k1, k2).
-Groups of 32 (or odd multiples) take tiles of 32 columns instead, so that no tile holds two groups
-(the operand then drops k5): int4 [128, 16] bytes with T = (b1, b2, n0, n1, n2, n4, n5),
-R = (b0, n3, b3, n6); int8 [128, 32] with T = (k2, n0, n1, n2, n4, n5, n6), R = (k0, n3, k3, k4, k1).
 
 Codes to floats, two per 32-bit instruction (the magic-number trick of FasterTransformer/Marlin):
 OR a code into the mantissa of 1024 (fp16 0x6400, ulp 1) or 128 (bf16 0x4300), then subtract the
 magic (and 8 for symmetric int4) — exact, since every code is a small integer. fp16's 10-bit
-mantissa also takes a high nibble in place (1024 + 16 c), scaled back by one fma with 1/16; bf16's
-7 bits do not, so bf16 shifts first. int8 codes q become q + 128 (xor 0x80) under the magic byte.
-On CUDA the decode is PTX (`tl.inline_asm_elementwise`); elsewhere (the interpreter) the same
-values by integer ops, and the fp32 exact path widens the codes directly.
+mantissa also takes the nibble above in place (1024 + 16 c), scaled back by one fma with 1/16, so
+a register's 8 codes cost one shift, 4 lop3 and 4 f16x2 ops; bf16's 7 bits do not, so bf16 shifts
+for each nibble. int8 codes q become q + 128 (xor 0x80) under the magic byte. On CUDA the decode is
+PTX (`tl.inline_asm_elementwise`, elementwise over the 16-bit words); elsewhere (the interpreter)
+the same values by integer ops, and the fp32 exact path widens the codes directly.
 """
 
 from __future__ import annotations
@@ -44,22 +43,16 @@ import torch
 from lowbit.kernels.triton_import import tl, triton
 
 TILE_N = 128  # weight rows (output features) per tile: two 64-row wgmma blocks over 4 warps
-TILE_K = 64  # columns (input features) per tile; 32 for groups that are not a multiple of 64
+TILE_K = 64  # columns (input features) per tile
 TILE_WARPS = 4  # the layouts here are the operand layout of a 4-warp program
 
 
-def tile_width(group_size: int, per_channel: bool) -> int:
-    """Columns per tile: 64, or 32 where groups of 32 (or an odd multiple) would cut 64-wide tiles,
-    so that a tile never holds two groups' codes and never has to be split in registers."""
-    return TILE_K if per_channel or group_size % TILE_K == 0 else TILE_K // 2
-
-
-def tile_bytes(bits: int, tile_k: int) -> int:
-    return TILE_N * tile_k * bits // 8
+def tile_bytes(bits: int) -> int:
+    return TILE_N * TILE_K * bits // 8
 
 
 def padded(n: int, k: int) -> tuple[int, int]:
-    """A weight's [N, K] rounded up to whole tiles (K to 64 for either width)."""
+    """A weight's [N, K] rounded up to whole tiles."""
     return triton.cdiv(n, TILE_N) * TILE_N, triton.cdiv(k, TILE_K) * TILE_K
 
 
@@ -72,33 +65,26 @@ def _index(bits: list[torch.Tensor]) -> torch.Tensor:
     return sum(b << i for i, b in enumerate(bits))
 
 
-def int4_offsets(n: torch.Tensor, k: torch.Tensor, k_tiles: int, tile_k: int = TILE_K
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the int4 code of weight (n, k) lies in a tiled buffer of `k_tiles` tiles of `tile_k`
-    columns per row block: (byte offset, shift of its nibble), broadcast over n and k (int64)."""
-    nl, kl = n % TILE_N, k % tile_k
-    b = 8 * (kl >> 4) + (kl & 7)  # the byte of the tile row; its nibble j = bit 3 of k
-    nb = [_bit(nl, i) for i in range(7)]
-    bb = [_bit(b, i) for i in range(5)]
-    if tile_k == TILE_K:  # a [128, 32] byte block: T = (b2, n0, n1, n2, n4, n5, n6), R = (b0, n3, b3, b4, b1)
-        t, r = _index([bb[2], nb[0], nb[1], nb[2], nb[4], nb[5], nb[6]]), _index([bb[0], nb[3], bb[3], bb[4], bb[1]])
-    else:  # a [128, 16] block: T = (b1, b2, n0, n1, n2, n4, n5), R = (b0, n3, b3, n6)
-        t, r = _index([bb[1], bb[2], nb[0], nb[1], nb[2], nb[4], nb[5]]), _index([bb[0], nb[3], bb[3], nb[6]])
-    row = tile_k // 2
-    return ((n // TILE_N) * k_tiles + k // tile_k) * (TILE_N * row) + t * row + r, 4 * _bit(kl, 3)
-
-
-def int8_offsets(n: torch.Tensor, k: torch.Tensor, k_tiles: int, tile_k: int = TILE_K) -> torch.Tensor:
-    """Where the int8 code of weight (n, k) lies in a tiled buffer (byte offset, int64)."""
-    nl, kl = n % TILE_N, k % tile_k
+def int4_offsets(n: torch.Tensor, k: torch.Tensor, k_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the int4 code of weight (n, k) lies in a tiled buffer of `k_tiles` tiles per row block:
+    (byte offset, shift of its nibble in that byte), broadcast over n and k (int64)."""
+    nl, kl = n % TILE_N, k % TILE_K
     nb = [_bit(nl, i) for i in range(7)]
     kb = [_bit(kl, i) for i in range(6)]
-    if tile_k == TILE_K:  # [128, 64]: T = (n0, n1, n2, n4, n5, k5, n6), R = (k0, n3, k3, k4, k1, k2)
-        t, r = _index([nb[0], nb[1], nb[2], nb[4], nb[5], kb[5], nb[6]]), _index([kb[0], nb[3], kb[3], kb[4], kb[1],
-                                                                                  kb[2]])
-    else:  # [128, 32]: T = (k2, n0, n1, n2, n4, n5, n6), R = (k0, n3, k3, k4, k1)
-        t, r = _index([kb[2], nb[0], nb[1], nb[2], nb[4], nb[5], nb[6]]), _index([kb[0], nb[3], kb[3], kb[4], kb[1]])
-    return ((n // TILE_N) * k_tiles + k // tile_k) * (TILE_N * tile_k) + t * tile_k + r
+    t = _index([kb[2], nb[0], nb[1], nb[2], nb[4], nb[5], nb[6]])  # T = (k2, n0, n1, n2, n4, n5, n6)
+    r = _index([kb[0], nb[3], kb[5], kb[1]])  # R = (k0, n3, k5, k1)
+    word = ((n // TILE_N) * k_tiles + k // TILE_K) * (TILE_N * 16) + t * 16 + r  # 16-bit words
+    return 2 * word + kb[4], 4 * kb[3]  # nibble j = (k3, k4): byte j1 of the word, nibble j0 of it
+
+
+def int8_offsets(n: torch.Tensor, k: torch.Tensor, k_tiles: int) -> torch.Tensor:
+    """Where the int8 code of weight (n, k) lies in a tiled buffer (byte offset, int64)."""
+    nl, kl = n % TILE_N, k % TILE_K
+    nb = [_bit(nl, i) for i in range(7)]
+    kb = [_bit(kl, i) for i in range(6)]
+    t = _index([nb[0], nb[1], nb[2], nb[4], nb[5], kb[5], nb[6]])  # T = (n0, n1, n2, n4, n5, k5, n6)
+    r = _index([kb[0], nb[3], kb[3], kb[4], kb[1], kb[2]])  # R = (k0, n3, k3, k4, k1, k2)
+    return ((n // TILE_N) * k_tiles + k // TILE_K) * (TILE_N * TILE_K) + t * TILE_K + r
 
 
 def _grid(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,70 +92,67 @@ def _grid(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.arange(N, device=codes.device)[:, None], torch.arange(K, device=codes.device)[None, :])
 
 
-def tile_pack_int4(codes: torch.Tensor, tile_k: int = TILE_K) -> torch.Tensor:
-    """codes [Np, Kp] (0..15, whole tiles) → uint8 [Np/128, Kp/tile_k, bytes], each tile in the order
+def tile_pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [Np, Kp] (0..15, whole tiles) → uint8 [Np/128, Kp/64, bytes], each tile in the order
     the kernel loads it."""
     Np, Kp = codes.shape
-    off, shift = int4_offsets(*_grid(codes), Kp // tile_k, tile_k)
+    off, shift = int4_offsets(*_grid(codes), Kp // TILE_K)
     buf = torch.zeros(Np * Kp // 2, dtype=torch.int32, device=codes.device)
     buf.scatter_add_(0, off.flatten(), (codes.to(torch.int32) << shift.to(torch.int32)).flatten())  # each nibble once
-    return buf.to(torch.uint8).reshape(Np // TILE_N, Kp // tile_k, tile_bytes(4, tile_k))
+    return buf.to(torch.uint8).reshape(Np // TILE_N, Kp // TILE_K, tile_bytes(4))
 
 
-def tile_pack_int8(codes: torch.Tensor, tile_k: int = TILE_K) -> torch.Tensor:
-    """codes int8 [Np, Kp] (whole tiles) → int8 [Np/128, Kp/tile_k, bytes] in load order."""
+def tile_pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """codes int8 [Np, Kp] (whole tiles) → int8 [Np/128, Kp/64, bytes] in load order."""
     Np, Kp = codes.shape
     buf = torch.empty(Np * Kp, dtype=torch.int8, device=codes.device)
-    buf[int8_offsets(*_grid(codes), Kp // tile_k, tile_k).flatten()] = codes.flatten()
-    return buf.reshape(Np // TILE_N, Kp // tile_k, tile_bytes(8, tile_k))
+    buf[int8_offsets(*_grid(codes), Kp // TILE_K).flatten()] = codes.flatten()
+    return buf.reshape(Np // TILE_N, Kp // TILE_K, tile_bytes(8))
 
 
 def tile_codes(tiles: torch.Tensor, bits: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The codes back from a tiled buffer [Np/128, Kp/tile_k, bytes]: uint8 0..15 (int4) or int8,
+    """The codes back from a tiled buffer [Np/128, Kp/64, bytes]: uint8 0..15 (int4) or int8,
     [Np, Kp] or [len(rows), Kp] for some rows only (a gather: embedding lookups)."""
-    tn, tk, nbytes = tiles.shape
-    tile_k = nbytes * 8 // (TILE_N * bits)
+    tn, tk, _ = tiles.shape
     n = torch.arange(tn * TILE_N, device=tiles.device) if rows is None else rows.to(tiles.device, torch.int64)
-    k = torch.arange(tk * tile_k, device=tiles.device)[None, :]
+    k = torch.arange(tk * TILE_K, device=tiles.device)[None, :]
     flat = tiles.reshape(-1)
     if bits == 4:
-        off, shift = int4_offsets(n[:, None], k, tk, tile_k)
+        off, shift = int4_offsets(n[:, None], k, tk)
         return ((flat[off].to(torch.int32) >> shift) & 0xF).to(torch.uint8)
-    return flat[int8_offsets(n[:, None], k, tk, tile_k)]
+    return flat[int8_offsets(n[:, None], k, tk)]
 
 
-# PTX, one 32-bit register of 4 codes' bytes in ($4 int4 / $2 int8), fp16/bf16 pairs out. int4:
-# $0 $1 the low nibbles of bytes (0, 1) and (2, 3), $2 $3 their high nibbles; int8: $0 $1 bytes
-# (0, 1) and (2, 3). Magic constants: fp16 1024 = 0x6400, 1/16 = 0x2c00, -64 = 0xd400, -72 = 0xd480,
-# 1152 = 0x6480; bf16 1.0 = 0x3f80, -128 = 0xc300, -136 = 0xc308.
+# PTX, one 32-bit register in ($4 int4: two 16-bit words of 4 codes each; $2 int8: 4 codes' bytes),
+# fp16/bf16 pairs out. int4: $j the pair of nibble j of word 0 (low half) and of word 1 (high half);
+# int8: $0 $1 bytes (0, 1) and (2, 3). Magic constants: fp16 1024 = 0x6400, 1/16 = 0x2c00,
+# -64 = 0xd400, -72 = 0xd480, 1152 = 0x6480; bf16 1.0 = 0x3f80, -128 = 0xc300, -136 = 0xc308.
 _INT4_F16 = """{{
-    .reg .b32 t0, t1, m, sc, of;
+    .reg .b32 t, m, sc, of;
     mov.b32 m, {sub};
     mov.b32 sc, 0x2c002c00;
     mov.b32 of, {off};
-    prmt.b32 t0, $4, 0, 0x7170;
-    prmt.b32 t1, $4, 0, 0x7372;
-    lop3.b32 $0, t0, 0x000f000f, 0x64006400, 0xea;
-    lop3.b32 $1, t1, 0x000f000f, 0x64006400, 0xea;
-    lop3.b32 $2, t0, 0x00f000f0, 0x64006400, 0xea;
-    lop3.b32 $3, t1, 0x00f000f0, 0x64006400, 0xea;
+    shr.u32 t, $4, 8;
+    lop3.b32 $0, $4, 0x000f000f, 0x64006400, 0xea;
+    lop3.b32 $1, $4, 0x00f000f0, 0x64006400, 0xea;
+    lop3.b32 $2, t, 0x000f000f, 0x64006400, 0xea;
+    lop3.b32 $3, t, 0x00f000f0, 0x64006400, 0xea;
     sub.f16x2 $0, $0, m;
-    sub.f16x2 $1, $1, m;
-    fma.rn.f16x2 $2, $2, sc, of;
+    fma.rn.f16x2 $1, $1, sc, of;
+    sub.f16x2 $2, $2, m;
     fma.rn.f16x2 $3, $3, sc, of;
 }}"""
 _INT4_BF16 = """{{
-    .reg .b32 t0, t1, s0, s1, one, of;
+    .reg .b32 s1, s2, s3, one, of;
     mov.b32 one, 0x3f803f80;
     mov.b32 of, {off};
-    prmt.b32 t0, $4, 0, 0x7170;
-    prmt.b32 t1, $4, 0, 0x7372;
-    shr.u32 s0, t0, 4;
-    shr.u32 s1, t1, 4;
-    lop3.b32 $0, t0, 0x000f000f, 0x43004300, 0xea;
-    lop3.b32 $1, t1, 0x000f000f, 0x43004300, 0xea;
-    lop3.b32 $2, s0, 0x000f000f, 0x43004300, 0xea;
-    lop3.b32 $3, s1, 0x000f000f, 0x43004300, 0xea;
+    shr.u32 s1, $4, 4;
+    shr.u32 s2, $4, 8;
+    shr.u32 s3, $4, 12;
+    lop3.b32 $0, $4, 0x000f000f, 0x43004300, 0xea;
+    lop3.b32 $1, s1, 0x000f000f, 0x43004300, 0xea;
+    lop3.b32 $2, s2, 0x000f000f, 0x43004300, 0xea;
+    lop3.b32 $3, s3, 0x000f000f, 0x43004300, 0xea;
     fma.rn.bf16x2 $0, $0, one, of;
     fma.rn.bf16x2 $1, $1, one, of;
     fma.rn.bf16x2 $2, $2, one, of;
@@ -215,50 +198,46 @@ INT8_BF16 = tl.constexpr(_INT8_BF16)
 
 
 @triton.jit
-def load_int4_tile(q_ptr, tile, SYM: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr, TK: tl.constexpr):
-    """Tile `tile` of an int4 weight → its values [128, TK] in DTYPE (codes u, or u - 8 when SYM):
+def load_int4_tile(q_ptr, tile, SYM: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """Tile `tile` of an int4 weight → its values [128, 64] in DTYPE (codes u, or u - 8 when SYM):
     row n, column k, as `tile_pack_int4` laid them."""
     t = tl.arange(0, 128)
-    r = tl.arange(0, TK // 2)
-    mem = tl.load(q_ptr + tile.to(tl.int64) * (64 * TK) + t[:, None] * (TK // 2) + r[None, :],
-                  eviction_policy="evict_first")  # [128, TK/2] uint8, 16 bytes per load
-    if TK == 64:
-        mem = mem.reshape(8, 8, 4, 4, 2, 2)  # n6n5n4, n2n1n0, b2b1, b4b3, n3, b0
-        b = mem.trans(0, 4, 1, 3, 2, 5).reshape(128, 32)  # [n, b]
-    else:
-        mem = mem.reshape(4, 8, 4, 2, 2, 2, 2)  # n5n4, n2n1n0, b2b1, n6, b3, n3, b0
-        b = mem.trans(3, 0, 5, 1, 4, 2, 6).reshape(128, 16)  # [n, b]
+    r = tl.arange(0, 16)
+    words = q_ptr.to(tl.pointer_type(tl.uint16))
+    mem = tl.load(words + tile.to(tl.int64) * 2048 + t[:, None] * 16 + r[None, :],
+                  eviction_policy="evict_first")  # [128, 16] 16-bit words, 16 bytes per load
+    mem = mem.reshape(2, 2, 2, 8, 2, 2, 2, 2, 2)  # n6, n5, n4, n2n1n0, k2, k1, k5, n3, k0
+    u = mem.trans(0, 1, 2, 7, 3, 6, 4, 5, 8).reshape(128, 16)  # [n, (k5 k2 k1 k0)]
     if ASM:
         if DTYPE == tl.float16 and SYM:
-            lo, hi = tl.inline_asm_elementwise(INT4_F16_SYM, "=r,=r,=r,=r,r", [b], (tl.float16, tl.float16), True, 4)
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(INT4_F16_SYM, "=r,=r,=r,=r,r", [u], (tl.float16,) * 4, True, 2)
         elif DTYPE == tl.float16:
-            lo, hi = tl.inline_asm_elementwise(INT4_F16, "=r,=r,=r,=r,r", [b], (tl.float16, tl.float16), True, 4)
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(INT4_F16, "=r,=r,=r,=r,r", [u], (tl.float16,) * 4, True, 2)
         elif SYM:
-            lo, hi = tl.inline_asm_elementwise(INT4_BF16_SYM, "=r,=r,=r,=r,r", [b], (tl.bfloat16, tl.bfloat16), True,
-                                               4)
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(INT4_BF16_SYM, "=r,=r,=r,=r,r", [u], (tl.bfloat16,) * 4, True,
+                                                       2)
         else:
-            lo, hi = tl.inline_asm_elementwise(INT4_BF16, "=r,=r,=r,=r,r", [b], (tl.bfloat16, tl.bfloat16), True, 4)
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(INT4_BF16, "=r,=r,=r,=r,r", [u], (tl.bfloat16,) * 4, True, 2)
     else:  # via fp32: the interpreter casts integers to bf16 wrongly
         off = 8.0 if SYM else 0.0
-        lo = ((b & 0xF).to(tl.float32) - off).to(DTYPE)
-        hi = ((b >> 4).to(tl.float32) - off).to(DTYPE)
-    a = tl.join(lo, hi)  # [128, TK/2, 2]: [n, b, j]
-    return a.reshape(128, TK // 16, 8, 2).trans(0, 1, 3, 2).reshape(128, TK)  # k = 16 (b >> 3) + 8 j + (b & 7)
+        c0 = ((u & 0xF).to(tl.float32) - off).to(DTYPE)
+        c1 = (((u >> 4) & 0xF).to(tl.float32) - off).to(DTYPE)
+        c2 = (((u >> 8) & 0xF).to(tl.float32) - off).to(DTYPE)
+        c3 = ((u >> 12).to(tl.float32) - off).to(DTYPE)
+    a = tl.join(tl.join(c0, c1), tl.join(c2, c3))  # [128, 16, 2, 2]: [n, u, j0, j1]
+    a = a.reshape(128, 2, 8, 2, 2).trans(0, 1, 4, 3, 2)  # n, k5, k4 (j1), k3 (j0), k2k1k0
+    return a.reshape(128, 64)
 
 
 @triton.jit
-def load_int8_tile(q_ptr, tile, DTYPE: tl.constexpr, ASM: tl.constexpr, TK: tl.constexpr):
-    """Tile `tile` of an int8 weight → its codes [128, TK] in DTYPE, as `tile_pack_int8` laid them."""
+def load_int8_tile(q_ptr, tile, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """Tile `tile` of an int8 weight → its codes [128, 64] in DTYPE, as `tile_pack_int8` laid them."""
     t = tl.arange(0, 128)
-    r = tl.arange(0, TK)
-    mem = tl.load(q_ptr + tile.to(tl.int64) * (128 * TK) + t[:, None] * TK + r[None, :],
-                  eviction_policy="evict_first")  # [128, TK] int8
-    if TK == 64:
-        mem = mem.reshape(2, 2, 4, 8, 4, 4, 2, 2)  # n6, k5, n5n4, n2n1n0, k2k1, k4k3, n3, k0
-        q = mem.trans(0, 2, 6, 3, 1, 5, 4, 7).reshape(128, 64)  # [n, k]
-    else:
-        mem = mem.reshape(8, 8, 4, 4, 2, 2)  # n6n5n4, n2n1n0, k2k1, k4k3, n3, k0
-        q = mem.trans(0, 4, 1, 3, 2, 5).reshape(128, 32)  # [n, k]
+    r = tl.arange(0, 64)
+    mem = tl.load(q_ptr + tile.to(tl.int64) * 8192 + t[:, None] * 64 + r[None, :],
+                  eviction_policy="evict_first")  # [128, 64] int8
+    mem = mem.reshape(2, 2, 4, 8, 4, 4, 2, 2)  # n6, k5, n5n4, n2n1n0, k2k1, k4k3, n3, k0
+    q = mem.trans(0, 2, 6, 3, 1, 5, 4, 7).reshape(128, 64)  # [n, k]
     if ASM and DTYPE == tl.float16:
         v = tl.inline_asm_elementwise(INT8_F16, "=r,=r,r", [q], tl.float16, True, 4)
     elif ASM:

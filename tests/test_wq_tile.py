@@ -107,15 +107,17 @@ def _registers() -> list[int]:
 
 
 @pytest.mark.parametrize("dtype,sym", [("f16", False), ("f16", True), ("bf16", False), ("bf16", True)])
-def test_int4_ptx_decodes_each_byte_alone(dtype, sym):
+def test_int4_ptx_decodes_each_nibble_alone(dtype, sym):
+    """A register holds two 16-bit words of four codes each; output j is the pair (nibble j of the
+    low word, nibble j of the high word), minus 8 when symmetric."""
     asm = getattr(wq_tile, f"INT4_{dtype.upper()}{'_SYM' if sym else ''}").value
     get = _f16 if dtype == "f16" else _bf16
     off = 8 if sym else 0
     for r in _registers():
         out = run_ptx(asm, {4: r})
-        byte = [(r >> 8 * i) & 0xFF for i in range(4)]
+        word = [r & 0xFFFF, r >> 16]
         got = [get((out[j] >> 16 * h) & 0xFFFF) for j in range(4) for h in range(2)]
-        want = [(byte[i] & 0xF) - off for i in range(4)] + [(byte[i] >> 4) - off for i in range(4)]
+        want = [((word[h] >> 4 * j) & 0xF) - off for j in range(4) for h in range(2)]
         assert got == want, (hex(r), got, want)
 
 
@@ -141,34 +143,38 @@ def test_the_emulator_itself():
 
 
 def test_tiles_hold_the_documented_order():
-    """Every code sits where the docstring puts it: int4 byte b of a tile row holds column
-    16 (b >> 3) + 8 j + (b & 7) in nibble j, row T and byte R of the loaded [128, 32] block being
-    T = (b2, n0, n1, n2, n4, n5, n6), R = (b0, n3, b3, b4, b1); and back again, for any rows, for
-    both tile widths (64 and 32 columns) and int8."""
+    """Every code sits where the docstring puts it: nibble j of 16-bit word u of a tile row holds
+    column 32 u3 + 16 j1 + 8 j0 + (u & 7), row T and word R of the loaded [128, 16] block being
+    T = (k2, n0, n1, n2, n4, n5, n6), R = (k0, n3, k5, k1); and back again, for any rows, and int8
+    likewise with T = (n0, n1, n2, n4, n5, k5, n6), R = (k0, n3, k3, k4, k1, k2)."""
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 16, (256, 192), dtype=torch.uint8, generator=g)
-    tiles = tile_pack_int4(codes)
-    flat = tiles.flatten()
-    for n, k in [(0, 0), (5, 9), (127, 63), (128, 64), (200, 150), (255, 191)]:
-        nl, kl = n % 128, k % 64
-        b, j = 8 * (kl >> 4) + (kl & 7), (kl >> 3) & 1
-        bit = lambda x, i: (x >> i) & 1  # noqa: E731
-        t = sum(v << i for i, v in enumerate([bit(b, 2), *(bit(nl, i) for i in (0, 1, 2, 4, 5, 6))]))
-        r = sum(v << i for i, v in enumerate([bit(b, 0), bit(nl, 3), bit(b, 3), bit(b, 4), bit(b, 1)]))
-        byte = int(flat[((n // 128) * 3 + k // 64) * 4096 + t * 32 + r])
-        assert (byte >> 4 * j) & 0xF == int(codes[n, k]), (n, k)
-        off, shift = int4_offsets(torch.tensor(n), torch.tensor(k), 3)
-        assert (int(flat[off]) >> int(shift)) & 0xF == int(codes[n, k])
-    rows = torch.tensor([255, 0, 130, 130])
     q = torch.randint(-128, 128, (256, 192), dtype=torch.int8, generator=g)
+    tiles, q8 = tile_pack_int4(codes), tile_pack_int8(q)
+    assert tiles.shape == (2, 3, 4096) and q8.shape == (2, 3, 8192)
+    words = tiles.flatten().view(torch.int16).to(torch.int32) & 0xFFFF  # little-endian 16-bit words
+    bit = lambda x, i: (x >> i) & 1  # noqa: E731
+    num = lambda bits: sum(v << i for i, v in enumerate(bits))  # noqa: E731
+    for n, k in [(0, 0), (5, 9), (127, 63), (128, 64), (200, 150), (255, 191), (77, 44)]:
+        nl, kl = n % 128, k % 64
+        block = (n // 128) * 3 + k // 64
+        t = num([bit(kl, 2), *(bit(nl, i) for i in (0, 1, 2, 4, 5, 6))])
+        r = num([bit(kl, 0), bit(nl, 3), bit(kl, 5), bit(kl, 1)])
+        u = num([bit(kl, 0), bit(kl, 1), bit(kl, 2), bit(kl, 5)])  # the word's column bits
+        j = num([bit(kl, 3), bit(kl, 4)])
+        assert 32 * (u >> 3) + 16 * (j >> 1) + 8 * (j & 1) + (u & 7) == kl
+        word = int(words[block * 2048 + t * 16 + r])
+        assert (word >> 4 * j) & 0xF == int(codes[n, k]), (n, k)
+        off, shift = int4_offsets(torch.tensor(n), torch.tensor(k), 3)
+        assert (int(tiles.flatten()[off]) >> int(shift)) & 0xF == int(codes[n, k])
+        t8 = num([*(bit(nl, i) for i in (0, 1, 2, 4, 5)), bit(kl, 5), bit(nl, 6)])
+        r8 = num([bit(kl, 0), bit(nl, 3), bit(kl, 3), bit(kl, 4), bit(kl, 1), bit(kl, 2)])
+        assert int(q8.flatten()[block * 8192 + t8 * 64 + r8]) == int(q[n, k]), (n, k)
+    rows = torch.tensor([255, 0, 130, 130])
     n, k = torch.arange(256)[:, None], torch.arange(192)[None, :]
-    for tile_k in (64, 32):
-        tiles = tile_pack_int4(codes, tile_k)
-        assert tiles.shape == (2, 192 // tile_k, 64 * tile_k)
-        assert torch.equal(tile_codes(tiles, 4), codes)
-        assert torch.equal(tile_codes(tiles, 4, rows), codes[rows])
-        off, shift = int4_offsets(n, k, 192 // tile_k, tile_k)
-        assert len(set((2 * off + shift // 4).flatten().tolist())) == 256 * 192  # every nibble once
-        q8 = tile_pack_int8(q, tile_k)
-        assert torch.equal(tile_codes(q8, 8), q) and torch.equal(tile_codes(q8, 8, rows), q[rows])
-        assert len(set(int8_offsets(n, k, 192 // tile_k, tile_k).flatten().tolist())) == 256 * 192
+    assert torch.equal(tile_codes(tiles, 4), codes)
+    assert torch.equal(tile_codes(tiles, 4, rows), codes[rows])
+    off, shift = int4_offsets(n, k, 3)
+    assert len(set((2 * off + shift // 4).flatten().tolist())) == 256 * 192  # every nibble once
+    assert torch.equal(tile_codes(q8, 8), q) and torch.equal(tile_codes(q8, 8, rows), q[rows])
+    assert len(set(int8_offsets(n, k, 3).flatten().tolist())) == 256 * 192

@@ -147,18 +147,21 @@ def loop_body(ttgir: str) -> list[str]:
 
 def weight_round_trips(ttgir: str) -> int:
     """Shared-memory staging or layout conversions of weight tensors in the loop: local_alloc /
-    local_load / async copies / convert_layout on the packed bytes (i8) or on a 2-D tile of 128
-    weight rows (x's tiles have 64 or 32 rows; the 128 per-row scales of a group, 1-D, are not
-    weights)."""
+    local_load / async copies / convert_layout on the packed codes (i8, i16) or on a 2-D tile of
+    128 weight rows and >= 16 columns (x's tiles have 64 or 32 rows; a group's per-row scales —
+    [128] or, for groups of 32, [128, 8] — are not weights)."""
     ops = ("ttg.local_alloc", "ttg.local_load", "ttg.async_copy_global_to_local", "ttg.convert_layout")
-    return sum(1 for line in loop_body(ttgir) if any(op in line for op in ops)
-               and ("xi8" in line or re.search(r"tensor<128x\d+x", line)))
+
+    def weights(line: str) -> bool:
+        tile = re.search(r"tensor<128x(\d+)x", line)
+        return "xi8" in line or "xi16" in line or (tile is not None and int(tile.group(1)) >= 16)
+    return sum(1 for line in loop_body(ttgir) if any(op in line for op in ops) and weights(line))
 
 
 def columns_per_iteration(w) -> int:
-    """Weight columns one pass of the kernel's K loop reads: a group of 64k columns, else 64 (one
-    64-column tile per channel, or two 32-column tiles of groups of 32)."""
-    return w.group_size if (not w.per_channel and w.group_size % 64 == 0) else 64
+    """Weight columns one pass of the kernel's K loop reads: a group of 64k columns, 64 (one tile)
+    per channel, else 256 (four 64-column tiles of groups of 32 or an odd multiple)."""
+    return w.group_size if (not w.per_channel and w.group_size % 64 == 0) else (64 if w.per_channel else 256)
 
 
 def main() -> int:
@@ -175,7 +178,7 @@ def main() -> int:
     os.environ["TRITON_INTERPRET"] = "0"
     args = ap.parse_args()
     from lowbit.kernels import wq_mm
-    from lowbit.kernels.wq_tile import TILE_N
+    from lowbit.kernels.wq_tile import TILE_K, TILE_N
 
     # the H200's: 132 SMs, 227 KiB of shared memory per block (choose_config asks the device)
     wq_mm._sm_count = lambda device: 132
@@ -195,7 +198,7 @@ def main() -> int:
                 by = Counter(classify(op) for op in loop)
                 classes = ", ".join(f"{name} {by[name] * threads / words:.1f}" for name, _ in CLASSES if by[name])
                 other = by["other"] * threads / words
-                print(f"{layout} {dtype} M={M} form={cfg.form} tile {cfg.block_m}x{cfg.block_n}x{w.tile_k} warps "
+                print(f"{layout} {dtype} M={M} form={cfg.form} tile {cfg.block_m}x{cfg.block_n}x{TILE_K} warps "
                       f"{cfg.num_warps} split {cfg.split_k} stages {cfg.num_stages}: loop {len(loop)} instructions/thread, "
                       f"{words} words/iteration -> {per_word:.1f} instructions per packed word ({classes}, other "
                       f"{other:.1f}); shared-memory ops in the loop {by['shared']}, weight round trips through "
