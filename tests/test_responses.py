@@ -321,6 +321,10 @@ def test_stateless_and_bad_requests_are_400s_naming_the_param(base, client):
                        400, "text")
     bad_schema = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}
     assert_error_shape(error_of(lambda: create(model=NAME, input="hi", text=bad_schema)), 400, "text")
+    for name, bad in (("user", 7), ("safety_identifier", ["x"]), ("metadata", 3), ("metadata", {"k": 1}),
+                      ("metadata", {f"k{i}": "v" for i in range(17)}), ("metadata", {"k" * 65: "v"}),
+                      ("metadata", {"k": "v" * 513})):
+        assert_error_shape(error_of(lambda: create(model=NAME, input="hi", **{name: bad})), 400, name)
     assert_error_shape(error_of(lambda: create(model="gpt-nope", input="hi")), 404, "model", "model_not_found")
     wrong = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0)
     assert_error_shape(error_of(lambda: wrong.responses.create(model=NAME, input="hi")), 401, code="invalid_api_key")

@@ -217,6 +217,21 @@ def _response_format(text) -> tuple[dict | None, dict]:
     raise bad_request(f"text.format.type must be text, json_object or json_schema, not {kind!r}", "text")
 
 
+def _echoed(body: dict) -> None:
+    """The fields a Response only echoes, typed as OpenAI types them: strings, and metadata an object
+    of at most 16 string values (keys up to 64 characters, values up to 512)."""
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise bad_request(f"{name} must be a string", name)
+    meta = body.get("metadata")
+    if meta is None:
+        return
+    if not (isinstance(meta, dict) and len(meta) <= 16
+            and all(len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items())):
+        raise bad_request("metadata must be an object of at most 16 string values (keys up to 64 characters, "
+                          "values up to 512)", "metadata")
+
+
 def chat_body(body: dict) -> tuple[dict, dict]:
     """A Responses body → (the chat-completions body that runs it, the request fields the Response
     echoes). Raises a 400 naming the Responses param."""
@@ -224,6 +239,7 @@ def chat_body(body: dict) -> tuple[dict, dict]:
         if body.get(name) not in (None, False):
             raise bad_request(f"{name} is not supported: this server is stateless and stores nothing (no "
                               "responses, conversations or prompts); send the whole conversation as input", name)
+    _echoed(body)
     include = body.get("include") or []
     if not (isinstance(include, list) and all(isinstance(s, str) for s in include)):
         raise bad_request("include must be a list of strings", "include")
@@ -246,7 +262,7 @@ def chat_body(body: dict) -> tuple[dict, dict]:
         if body.get("top_logprobs") is not None:
             chat["top_logprobs"] = body["top_logprobs"]
     echo = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
+            "metadata": body.get("metadata") or {},
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False, "previous_response_id": None,
             "reasoning": body.get("reasoning") if isinstance(body.get("reasoning"), dict) else None,
             "store": False, "background": False,
