@@ -176,6 +176,11 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
     n_chunks = tl.cdiv(K, CH)
     per_split = tl.cdiv(n_chunks, SPLIT_K)
     acc = tl.zeros((128, BLOCK_M), dtype=tl.float32)  # y^T tile
+    if not WHOLE:  # x^T split by halves (below): column j is row j // 2 of x, rows of half j % 2 only
+        j = tl.arange(0, 2 * BLOCK_M)
+        mm = pid_m * BLOCK_M + j // 2
+        upper = (tl.arange(0, 64) // 32)[:, None] == (j % 2)[None, :]
+        n_rows = tl.cdiv(KT * 64, GROUP)  # scale rows
     for c in range(pid_s * per_split, tl.minimum((pid_s + 1) * per_split, n_chunks)):
         if PER_CHANNEL:  # one scale per row, applied at the end
             acc = tl.dot(_tile(q_ptr, pid_n * KT + c, BITS, HAS_MIN, DTYPE, ASM),
@@ -196,10 +201,6 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
             # own group. A chunk is four tiles (8 halves, 256 columns), its 8 scales loaded at once:
             # longer loads in flight per iteration. Tiles of a last chunk past the final tile read
             # that tile again, against x^T of 0 (past K): they add 0.
-            j = tl.arange(0, 2 * BLOCK_M)
-            mm = pid_m * BLOCK_M + j // 2
-            upper = (tl.arange(0, 64) // 32)[:, None] == (j % 2)[None, :]
-            n_rows = tl.cdiv(KT * 64, GROUP)  # scale rows
             g8 = tl.minimum((c * 256 + tl.arange(0, 8) * 32) // GROUP, n_rows - 1)
             s8 = tl.load(s_ptr + g8[None, :] * NP + offs_n[:, None]).to(tl.float32)  # [128, 8]: (tile, half)
             e, o = tl.split(s8.reshape(128, 2, 2, 2).permute(0, 3, 1, 2))  # [128, half, t1]
