@@ -28,14 +28,12 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 CLASSES = (  # opcode prefixes (the part before the first dot) → class; the first match wins
     # LDGSTS (cp.async) copies global memory into shared: the start of a round trip through shared memory
