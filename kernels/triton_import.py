@@ -34,7 +34,11 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
     triton = types.SimpleNamespace(jit=_jit, cdiv=lambda a, b: -(-a // b),
                                    next_power_of_2=lambda n: 1 << max(0, int(n) - 1).bit_length())
-    tl = types.SimpleNamespace(constexpr=object)  # only read as an annotation at definition time
+    class _Constexpr:  # an annotation of kernel arguments, and the wrapper of module-level constants (PTX)
+        def __init__(self, value=None):
+            self.value = value
+
+    tl = types.SimpleNamespace(constexpr=_Constexpr)
 
 
 def interpreting() -> bool:

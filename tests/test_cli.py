@@ -305,6 +305,24 @@ def test_tiny_model_runs(tiny_gguf, work, empty_models):
     assert "Warning" not in r.stderr, r.stderr  # no Python warning on any supported machine (e.g. about a layout)
 
 
+def test_tiny_model_runs_without_triton(tiny_gguf, work, empty_models, tmp_path):
+    """The quickstart installs lowbit without Triton (CPU machines have no use for it): every
+    kernel module must still import, with Triton's stand-in. A `triton` package first on the path
+    that fails to import plays a machine without it."""
+    fake = tmp_path / "no_triton" / "triton"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('triton is not installed here')\n")
+    env = {k: v for k, v in os.environ.items() if k != "LOWBIT_DEBUG"}
+    env.update(LOWBIT_MODELS=str(empty_models), PYTHONPATH=str(fake.parent), TRITON_INTERPRET="0")
+    probe = "from lowbit.kernels.triton_import import HAVE_TRITON; print(HAVE_TRITON)"
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT).stdout.strip() == "False"
+    r = subprocess.run([*LOWBIT, "run", "--model", str(tiny_gguf), "--max-tokens", "3", "--temperature", "0", "hi"],
+                       cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert STATS.search(r.stderr.rstrip("\n").splitlines()[-1]) and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("kv", ["k8v4", "f16"])
 def test_tiny_model_runs_sampled_through_the_engine(kv, tiny_gguf, work, empty_models):
     r = lowbit(["run", "--model", tiny_gguf, "--max-tokens", "6", "--temperature", "0.8", "--seed", "3",
