@@ -21,10 +21,11 @@ The product is swapped, y^T = W x^T: a program owns 128 output features and BLOC
 (16 for decode, all in one tile). Per 64-column tile the codes become fp16/bf16 in registers (two
 per instruction, kernels/wq_tile.py) and one dot multiplies them, exact integers, by x; the group
 scale factors out of the dot and is applied in fp32 once per group:
-acc += (codes @ x^T) * d (+ m * sum(x over the group), for the asymmetric layout) — more accurate
-than dequantizing w to fp16/bf16 first, which rounds every weight (2^-11 / 2^-8 relative). Groups of
-64k columns take whole 64-column tiles; other multiples of 32 split each tile's dot by 32-column
-halves (x^T's rows of each half in columns of their own), each half scaled by its group.
+acc += (codes @ x^T) * d (+ m * sum(x over the group), for the asymmetric layout; bf16 tiles hold
+codes + 128, which one more k-step of each dot takes off) — more accurate than dequantizing w to
+fp16/bf16 first, which rounds every weight (2^-11 / 2^-8 relative). Groups of 64k columns take
+whole 64-column tiles; other multiples of 32 split each tile's dot by 32-column halves (x^T's rows
+of each half in columns of their own), each half scaled by its group.
 
 Decode (M <= 16) splits K over the grid so ~2 programs per SM stream the weights once. Each split
 writes its fp32 partial sums to a workspace and takes a ticket; the last split of a column tile
@@ -44,6 +45,7 @@ from lowbit.kernels.int4_mm import int4_dequant_ref
 from lowbit.kernels.int8_mm import int8_dequant_ref
 from lowbit.kernels.triton_import import OutOfResources, check_device, interpreting, tl, triton
 from lowbit.kernels.wq_tile import (
+    BF16_BIAS,
     TILE_K,
     TILE_N,
     TILE_WARPS,
@@ -156,15 +158,22 @@ def _x_tile(x_ptr, k0, offs_m, m_ok, K, stride_xm, ROWS: tl.constexpr, DTYPE: tl
 
 
 @triton.jit
-def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, NP, KT, stride_xm, stride_ym,
-                  stride_xs, BITS: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
-                  IEEE: tl.constexpr):
+def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, xp_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, NP, KT, stride_xm,
+                  stride_ym, stride_xs, stride_xp, BITS: tl.constexpr, HAS_MIN: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                  ASM: tl.constexpr, IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
     DTYPE: tl.constexpr = tl.float32 if IEEE else x_ptr.dtype.element_ty
     PREC: tl.constexpr = "ieee" if IEEE else None
+    # what the tiles' values exceed the weight's integers by: bf16 int4 tiles hold u + 128, the
+    # weight is d * u + m (d * (u - 8) symmetric). Each dot takes it off again inside the MMA, one
+    # more k-step against x's sums over its 32-column halves (xp: each sum as three bf16 parts that
+    # add up to it exactly): A = -BIAS in the parts' columns (a constant tile), B = the parts. So
+    # every group's partial is as exact as with unbiased codes; only fp32 accumulation inside the
+    # MMA sees the ~BIAS x sum(x) terms it cancels.
+    BIAS: tl.constexpr = (BF16_BIAS + (0 if HAS_MIN else 8)) if (BITS == 4 and DTYPE == tl.bfloat16) else 0
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * 128 + tl.arange(0, 128)
     m_ok = offs_m < M
@@ -181,6 +190,19 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
         mm = pid_m * BLOCK_M + j // 2
         upper = (tl.arange(0, 64) // 32)[:, None] == (j % 2)[None, :]
         n_rows = tl.cdiv(KT * 64, GROUP)  # scale rows
+    if BIAS > 0:
+        # the bias step's operands: B [XR, columns] takes 4 rows per 32-column half (3 parts and a
+        # 0), a whole group's halves at once (groups of 64k) or a tile's two (others, columns (m,
+        # half) as x^T's); A [128, XR] is -BIAS in every row
+        XR: tl.constexpr = max(16, 8 * TPC) if WHOLE else 16
+        r = tl.arange(0, XR)
+        neg_bias = tl.full((128, XR), -BIAS, DTYPE)
+        if WHOLE:
+            xp_rows = (r < 8 * TPC)[:, None] & m_ok[None, :]
+            xp_off = offs_m[None, :] * stride_xp + r[:, None]  # + the group's first half x 4
+        else:
+            xp_rows = (r < 4)[:, None] & (mm < M)[None, :]
+            xp_off = mm[None, :] * stride_xp + (j % 2)[None, :] * 4 + r[:, None]  # + the tile's first half x 4
     for c in range(pid_s * per_split, tl.minimum((pid_s + 1) * per_split, n_chunks)):
         if PER_CHANNEL:  # one scale per row, applied at the end
             acc = tl.dot(_tile(q_ptr, pid_n * KT + c, BITS, HAS_MIN, DTYPE, ASM),
@@ -192,6 +214,9 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
                 x = _x_tile(x_ptr, t * 64, offs_m, m_ok, K, stride_xm, 64, DTYPE)  # [64, BM]
                 part = tl.dot(_tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM), x, part,
                               input_precision=PREC)
+            if BIAS > 0:  # halves past K hold sums of 0
+                xp = tl.load(xp_ptr + xp_off + c * (8 * TPC), mask=xp_rows, other=0.0)  # [XR, BM]
+                part = tl.dot(neg_bias, xp, part)
             acc += part * tl.load(s_ptr + c * NP + offs_n).to(tl.float32)[:, None]
         else:
             # groups of 32 (or an odd multiple): a 64-column tile holds two half-tiles of 32 columns,
@@ -200,7 +225,7 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
             # round, so the dot's columns are the two halves' sums apart, each then scaled by its
             # own group. A chunk is four tiles (8 halves, 256 columns), its 8 scales loaded at once:
             # longer loads in flight per iteration. Tiles of a last chunk past the final tile read
-            # that tile again, against x^T of 0 (past K): they add 0.
+            # that tile again, against x^T of 0 (past K) and sums of 0: they add 0.
             g8 = tl.minimum((c * 256 + tl.arange(0, 8) * 32) // GROUP, n_rows - 1)
             s8 = tl.load(s_ptr + g8[None, :] * NP + offs_n[:, None]).to(tl.float32)  # [128, 8]: (tile, half)
             e, o = tl.split(s8.reshape(128, 2, 2, 2).permute(0, 3, 1, 2))  # [128, half, t1]
@@ -214,6 +239,9 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
                 t = tl.minimum(4 * c + h, KT - 1)
                 part = tl.dot(_tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM), xx,
                               input_precision=PREC)  # [128, 2 BM]
+                if BIAS > 0:
+                    xp = tl.load(xp_ptr + xp_off + (8 * c + 2 * h) * 4, mask=xp_rows, other=0.0)  # [16, 2 BM]
+                    part = tl.dot(neg_bias, xp, part)
                 pa, pb = tl.split(part.reshape(128, BLOCK_M, 2))
                 sa, sb = tl.split(s0 if h == 0 else (s1 if h == 1 else (s2 if h == 2 else s3)))
                 acc += pa * sa[:, None]
@@ -266,6 +294,27 @@ def _xsum_kernel(x_ptr, xs_ptr, K, G, stride_xm, stride_xs, GROUP: tl.constexpr,
 
 
 @triton.jit
+def _xparts_kernel(x_ptr, xp_ptr, K, stride_xm, stride_xp, BLOCK_Q: tl.constexpr):
+    """xp[m, q, :] = the sum s of x[m, 32 q .. 32 q + 31] (fp32, one fixed order) as three bf16
+    parts hi + mid + lo == s exactly (each the rounding of what the ones before left), and a 0:
+    the B operand of the bf16 bias step. Halves past K get zeros."""
+    m = tl.program_id(0)
+    qs = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    k = qs[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCK_Q, 32]
+    s = tl.sum(tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32), axis=1)
+    hi = s.to(tl.bfloat16)
+    rest = s - hi.to(tl.float32)  # exact in fp32, as is what mid leaves of it
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)  # <= 8 significant bits: exact
+    out = xp_ptr + m * stride_xp + qs * 4
+    ok = qs * 4 < stride_xp
+    tl.store(out, hi, mask=ok)
+    tl.store(out + 1, mid, mask=ok)
+    tl.store(out + 2, lo, mask=ok)
+    tl.store(out + 3, tl.zeros_like(hi), mask=ok)
+
+
+@triton.jit
 def _wq_dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, NP, KT, BITS: tl.constexpr, HAS_MIN: tl.constexpr,
                        PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
     """W^T [Kp, Np] in w's dtype for the prefill path: d * u (+ m) in fp32, rounded once; per channel
@@ -273,9 +322,10 @@ def _wq_dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, NP, KT, BITS: tl.constexpr, H
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     DTYPE: tl.constexpr = w_ptr.dtype.element_ty
+    BIAS: tl.constexpr = (BF16_BIAS + (0 if HAS_MIN else 8)) if (BITS == 4 and DTYPE == tl.bfloat16) else 0
     offs_n = pid_n * 128 + tl.arange(0, 128)
     offs_k = t * 64 + tl.arange(0, 64)
-    u = _tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM).to(tl.float32)  # [128, 64], exact codes
+    u = _tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM).to(tl.float32) - BIAS  # [128, 64]: u (u - 8), exact
     if not PER_CHANNEL:
         g = (offs_k // GROUP)[None, :]
         u = u * tl.load(s_ptr + g * NP + offs_n[:, None]).to(tl.float32)
@@ -428,15 +478,20 @@ def _launch(x: torch.Tensor, w: WQPacked, y: torch.Tensor, cfg: LaunchConfig) ->
         return
     grid = (NP // TILE_N, triton.cdiv(M, cfg.block_m), cfg.split_k)
     ws, counters = _workspace(w, x.device, grid[1], cfg) if cfg.split_k > 1 else (y, y)
-    xs = y
+    xs = xp = y
     if w.mins is not None:  # x summed per group, for the mins' term
         G = triton.cdiv(w.in_features, w.group_size)
         xs = torch.empty((M, G), device=x.device, dtype=torch.float32)
         _xsum_kernel[(M, triton.cdiv(G, 32))](x, xs, w.in_features, G, x.stride(0), G, GROUP=w.group_size,
                                                BLOCK_G=32)
+    if w.bits == 4 and x.dtype == torch.bfloat16:  # x's 32-column sums in parts, for the bias step
+        chunk = w.group_size if w.group_size % TILE_K == 0 else 4 * TILE_K  # the kernel's K chunk
+        halves = triton.cdiv(w.in_features, chunk) * chunk // 32  # whole chunks: the last one's tail holds 0
+        xp = torch.empty((M, halves, 4), device=x.device, dtype=torch.bfloat16)
+        _xparts_kernel[(M, triton.cdiv(halves, 64))](x, xp, w.in_features, x.stride(0), xp.stride(0), BLOCK_Q=64)
     _wq_mm_kernel[grid](
-        x, w.qweight, w.scales, mins, xs, y, ws, counters, M, w.out_features, w.in_features, NP, KT,
-        x.stride(0), y.stride(0), xs.stride(0), BLOCK_M=cfg.block_m, SPLIT_K=cfg.split_k,
+        x, w.qweight, w.scales, mins, xs, xp, y, ws, counters, M, w.out_features, w.in_features, NP, KT,
+        x.stride(0), y.stride(0), xs.stride(0), xp.stride(0), BLOCK_M=cfg.block_m, SPLIT_K=cfg.split_k,
         IEEE=x.dtype == torch.float32, **common, **tune)
 
 

@@ -27,13 +27,16 @@ int8: the code of (n, k) itself, with
     T = (n0, n1, n2, n4, n5, k5, n6),  R = (k0, n3, k3, k4, k1, k2).
 
 Codes to floats, two per 32-bit instruction (the magic-number trick of FasterTransformer/Marlin):
-OR a code into the mantissa of 1024 (fp16 0x6400, ulp 1) or 128 (bf16 0x4300), then subtract the
-magic (and 8 for symmetric int4) — exact, since every code is a small integer. fp16's 10-bit
-mantissa also takes the nibble above in place (1024 + 16 c), scaled back by one fma with 1/16, so
-a register's 8 codes cost one shift, 4 lop3 and 4 f16x2 ops; bf16's 7 bits do not, so bf16 shifts
-for each nibble. int8 codes q become q + 128 (xor 0x80) under the magic byte. On CUDA the decode is
-PTX (`tl.inline_asm_elementwise`, elementwise over the 16-bit words); elsewhere (the interpreter)
-the same values by integer ops, and the fp32 exact path widens the codes directly.
+OR a code into the mantissa of 1024 (fp16 0x6400, ulp 1) or 128 (bf16 0x4300), which gives
+1024 + c / 128 + c exactly. fp16 then subtracts the magic (and 8 for symmetric int4), and its 10-bit
+mantissa also takes the nibble above in place (1024 + 16 c), scaled back by one fma with 1/16, so a
+register's 8 codes cost one shift, 4 lop3 and 4 f16x2 ops. bf16's 7 bits do not take the nibble
+above, so bf16 shifts for each nibble (3 shifts, 4 lop3) and keeps the magic: a bf16 tile holds
+u + 128 (BF16_BIAS), and the matmul takes 128 (136 symmetric) x x's sums back off inside each dot
+(kernels/wq_mm.py) — 4 instructions a word fewer than subtracting here. int8 codes q become q + 128 (xor 0x80)
+under the magic byte. On CUDA the decode is PTX (`tl.inline_asm_elementwise`, elementwise over the
+16-bit words); elsewhere (the interpreter) the same values by integer ops, and the fp32 exact path
+widens the codes directly.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def tile_codes(tiles: torch.Tensor, bits: int, rows: torch.Tensor | None = None)
 # PTX, one 32-bit register in ($4 int4: two 16-bit words of 4 codes each; $2 int8: 4 codes' bytes),
 # fp16/bf16 pairs out. int4: $j the pair of nibble j of word 0 (low half) and of word 1 (high half);
 # int8: $0 $1 bytes (0, 1) and (2, 3). Magic constants: fp16 1024 = 0x6400, 1/16 = 0x2c00,
-# -64 = 0xd400, -72 = 0xd480, 1152 = 0x6480; bf16 1.0 = 0x3f80, -128 = 0xc300, -136 = 0xc308.
+# -64 = 0xd400, -72 = 0xd480, 1152 = 0x6480; bf16 128 = 0x4300 (its values stay biased).
 _INT4_F16 = """{{
     .reg .b32 t, m, sc, of;
     mov.b32 m, {sub};
@@ -142,10 +145,8 @@ _INT4_F16 = """{{
     sub.f16x2 $2, $2, m;
     fma.rn.f16x2 $3, $3, sc, of;
 }}"""
-_INT4_BF16 = """{{
-    .reg .b32 s1, s2, s3, one, of;
-    mov.b32 one, 0x3f803f80;
-    mov.b32 of, {off};
+_INT4_BF16 = """{
+    .reg .b32 s1, s2, s3;
     shr.u32 s1, $4, 4;
     shr.u32 s2, $4, 8;
     shr.u32 s3, $4, 12;
@@ -153,11 +154,7 @@ _INT4_BF16 = """{{
     lop3.b32 $1, s1, 0x000f000f, 0x43004300, 0xea;
     lop3.b32 $2, s2, 0x000f000f, 0x43004300, 0xea;
     lop3.b32 $3, s3, 0x000f000f, 0x43004300, 0xea;
-    fma.rn.bf16x2 $0, $0, one, of;
-    fma.rn.bf16x2 $1, $1, one, of;
-    fma.rn.bf16x2 $2, $2, one, of;
-    fma.rn.bf16x2 $3, $3, one, of;
-}}"""
+}"""
 _INT8_F16 = """{
     .reg .b32 u, m, of;
     mov.b32 m, 0x64646464;
@@ -191,16 +188,17 @@ _INT8_BF16 = """{
 # PTX per (bits, x dtype, symmetric), as constexprs a jit function may read
 INT4_F16 = tl.constexpr(_INT4_F16.format(sub="0x64006400", off="0xd400d400"))
 INT4_F16_SYM = tl.constexpr(_INT4_F16.format(sub="0x64086408", off="0xd480d480"))
-INT4_BF16 = tl.constexpr(_INT4_BF16.format(off="0xc300c300"))
-INT4_BF16_SYM = tl.constexpr(_INT4_BF16.format(off="0xc308c308"))
+INT4_BF16 = tl.constexpr(_INT4_BF16)
+BF16_BIAS = tl.constexpr(128)  # a bf16 int4 tile's values: u + BF16_BIAS
 INT8_F16 = tl.constexpr(_INT8_F16)
 INT8_BF16 = tl.constexpr(_INT8_BF16)
 
 
 @triton.jit
 def load_int4_tile(q_ptr, tile, SYM: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """Tile `tile` of an int4 weight → its values [128, 64] in DTYPE (codes u, or u - 8 when SYM):
-    row n, column k, as `tile_pack_int4` laid them."""
+    """Tile `tile` of an int4 weight → its values [128, 64] in DTYPE, row n, column k, as
+    `tile_pack_int4` laid them: fp16 and fp32 the codes u (u - 8 when SYM), bf16 u + BF16_BIAS
+    whether SYM or not (the caller takes the bias off)."""
     t = tl.arange(0, 128)
     r = tl.arange(0, 16)
     words = q_ptr.to(tl.pointer_type(tl.uint16))
@@ -213,13 +211,10 @@ def load_int4_tile(q_ptr, tile, SYM: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.
             c0, c1, c2, c3 = tl.inline_asm_elementwise(INT4_F16_SYM, "=r,=r,=r,=r,r", [u], (tl.float16,) * 4, True, 2)
         elif DTYPE == tl.float16:
             c0, c1, c2, c3 = tl.inline_asm_elementwise(INT4_F16, "=r,=r,=r,=r,r", [u], (tl.float16,) * 4, True, 2)
-        elif SYM:
-            c0, c1, c2, c3 = tl.inline_asm_elementwise(INT4_BF16_SYM, "=r,=r,=r,=r,r", [u], (tl.bfloat16,) * 4, True,
-                                                       2)
         else:
             c0, c1, c2, c3 = tl.inline_asm_elementwise(INT4_BF16, "=r,=r,=r,=r,r", [u], (tl.bfloat16,) * 4, True, 2)
     else:  # via fp32: the interpreter casts integers to bf16 wrongly
-        off = 8.0 if SYM else 0.0
+        off = -BF16_BIAS if DTYPE == tl.bfloat16 else (8 if SYM else 0)
         c0 = ((u & 0xF).to(tl.float32) - off).to(DTYPE)
         c1 = (((u >> 4) & 0xF).to(tl.float32) - off).to(DTYPE)
         c2 = (((u >> 8) & 0xF).to(tl.float32) - off).to(DTYPE)

@@ -134,6 +134,27 @@ def test_decode_rows_do_not_depend_on_M(layout, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["int4-g32", "int4-sym-g32", "int4-g128", "int4-sym-g96"])
+def test_bf16_bias_cancels_inside_each_dot(layout, device):
+    """bf16 int4 tiles hold codes + 128, and one more k-step of each dot takes 128 (136 symmetric) x
+    the 32-column sums of x off, inside the MMA. Where those sums dwarf y — every x near 50, K = 2304
+    — the fp32 result (no output rounding to hide behind) stays as close to the float64 product of
+    the same bf16 x and weights as the unbiased fp16 kernel's: measured under the interpreter 2^-21
+    of max |y| symmetric, 2^-16 asymmetric (the mins' own fp32 term, which fp16 has too). Taking the
+    bias off once per split instead, after the loop, measured 2^-15 .. 2^-12: these bounds fail it."""
+    dev = _device(device)
+    _, p = _packed(layout, 200, 2304)
+    torch.manual_seed(1)
+    x = (50 + torch.randn(40, 2304)).to(torch.bfloat16)
+    ref = x.double() @ wq_dequant_ref(p).double().T
+    bound = 2**-18 if "sym" in layout else 2**-14
+    for M in (1, DECODE_MAX_ROWS, 40):  # decode (split K) and the 64-row prefill tiles
+        y = wq_mm(x[:M].to(dev), p.to(dev), out_dtype=torch.float32).double().cpu()
+        err = float((y - ref[:M]).abs().max() / ref[:M].abs().max())
+        assert err < bound, (M, err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("layout", ["int4-g128", "int4-sym-g32", "int8-g64", "int8"])
 def test_dequant_form(layout, dtype, device):

@@ -98,13 +98,15 @@ def compile_config(w, cfg, x_dtype: torch.dtype, arch: int):
     tname = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
     qt = "*u8" if w.bits == 4 else "*i8"
     st = "*fp32" if w.per_channel else "*fp16"
-    sig = {"x_ptr": tname[x_dtype], "q_ptr": qt, "s_ptr": st, "m_ptr": st, "xs_ptr": "*fp32", "y_ptr": tname[x_dtype],
+    sig = {"x_ptr": tname[x_dtype], "q_ptr": qt, "s_ptr": st, "m_ptr": st, "xs_ptr": "*fp32", "xp_ptr": "*bf16",
+           "y_ptr": tname[x_dtype],
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NP": "i32", "KT": "i32",
-           "stride_xm": "i32", "stride_ym": "i32", "stride_xs": "i32"}
+           "stride_xm": "i32", "stride_ym": "i32", "stride_xs": "i32", "stride_xp": "i32"}
     const = dict(BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
                  BLOCK_M=cfg.block_m, SPLIT_K=cfg.split_k, ASM=x_dtype != torch.float32,
                  IEEE=x_dtype == torch.float32)
-    sixteen = [n for n, t in sig.items() if t.startswith("*")] + ["N", "K", "NP", "KT", "stride_xm", "stride_ym", "stride_xs"]
+    sixteen = [n for n, t in sig.items() if t.startswith("*")] + ["N", "K", "NP", "KT", "stride_xm", "stride_ym",
+                                                                  "stride_xs", "stride_xp"]
     attrs = {(_wq_mm_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in sixteen}
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(_wq_mm_kernel, sig, constexprs=const, attrs=attrs)
