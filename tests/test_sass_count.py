@@ -53,6 +53,30 @@ def test_the_int4_decode_loop_fits_the_budget_on_sm90():
         assert float(per_word) <= 20, (layout, dtype, per_word)
 
 
+def test_prefill_tiles_and_every_helper_compile_for_sm90():
+    """What the decode count does not compile: the 64-row prefill tiles (M = 64) and the kernels a
+    launch runs beside the matmul — x's group sums (asymmetric int4), x's 32-column sums in bf16
+    parts (int4 with bf16 x) and the prefill form's dequantize (M = 300) — each compiled for sm_90
+    on the CPU, for every int4/int8 form and both 16-bit dtypes: the interpreter runs them all but
+    would not catch what only the compiler rejects."""
+    pytest.importorskip("triton")
+    layouts = ["int4-g32", "int4-sym-g128", "int4-sym-g64", "int8-g32", "int8"]
+    r = subprocess.run([sys.executable, str(BENCH / "sass_count.py"), "--layouts", ",".join(layouts), "--rows",
+                        "64,300", "--shape", "512x512", "--helpers"], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for layout in layouts:
+        for dtype in ("float16", "bfloat16"):
+            want = {"_wq_dequant_kernel"}
+            want |= {"_xsum_kernel"} if layout.startswith("int4") and "sym" not in layout else set()
+            want |= {"_xparts_kernel"} if layout.startswith("int4") and dtype == "bfloat16" else set()
+            got = set(re.findall(rf"^{layout} {dtype} helper (\w+): compiled, [1-9]\d* SASS instructions$",
+                                 r.stdout, re.M))
+            assert got == want, (layout, dtype, got, r.stdout)
+            assert re.search(rf"^{layout} {dtype} M=64 form=mma tile 64x128x64 .* -> [\d.]+ instructions per packed "
+                             r"word", r.stdout, re.M), (layout, dtype, r.stdout)
+            assert re.search(rf"^{layout} {dtype} M=300 form=dequant", r.stdout, re.M), (layout, dtype, r.stdout)
+
+
 def test_weight_round_trips_are_told_from_x_tiles():
     """In the loop body of a TTGIR listing, conversions of 128-row weight tiles and of packed codes
     (bytes, 16-bit words) count; x's 64-row operand tiles and the per-row scales ([128], or [128, 8]

@@ -2,7 +2,7 @@
 sm_90 (H100/H200) on the CPU — no GPU needed.
 
     python tests/bench/sass_count.py [--arch 90] [--layouts int4-g128,int4-g32,...] [--rows 1,16]
-                                     [--dtypes float16,bfloat16]
+                                     [--dtypes float16,bfloat16] [--helpers]
 
 Each decode configuration `kernels/wq_mm.py` `choose_config` picks (for a 4096x4096 weight on a
 132-SM device with 228 KiB of shared memory) is compiled with `triton.compile` for a CUDA target,
@@ -20,7 +20,9 @@ thread-instructions a cycle at ~1.98 GHz, an H200 has ~28 thread-instructions pe
 issue, so >= 70% of bandwidth needs <= ~20. Weight round trips — shared-memory staging or layout
 conversions of the packed bytes or of decoded weight tiles in the TTGIR loop — show whether the
 weights are reshuffled on their way to the MMA (x's operand tiles always go through shared memory:
-wgmma reads its B operand there). One line per kernel, activation dtype and configuration.
+wgmma reads its B operand there). One line per kernel, activation dtype and configuration; rows
+of 17-255 count the 64-row prefill tiles, and --helpers also compiles the kernels a launch runs
+beside the matmul (x's sums for the mins and for bf16's bias, the prefill form's dequantize).
 """
 
 from __future__ import annotations
@@ -120,6 +122,43 @@ def compile_config(w, cfg, x_dtype: torch.dtype, arch: int):
     return sass, k.asm["ttgir"]
 
 
+def compile_helpers(w, x_dtype: torch.dtype, arch: int) -> dict[str, int]:
+    """The other kernels a launch with this weight and activation dtype may run, compiled for
+    sm_<arch> → SASS instructions of each: the per-call pre-passes (x's group sums for the mins,
+    x's 32-column sums in bf16 parts for bf16's biased int4 tiles) and the prefill form's dequantize."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lowbit.kernels import wq_mm
+
+    tname = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[x_dtype]
+    jobs = []
+    if w.mins is not None:
+        jobs.append((wq_mm._xsum_kernel, {"x_ptr": tname, "xs_ptr": "*fp32", "K": "i32", "G": "i32", "stride_xm": "i32",
+                                          "stride_xs": "i32"}, {"GROUP": w.group_size, "BLOCK_G": 32}))
+    if w.bits == 4 and x_dtype == torch.bfloat16:
+        jobs.append((wq_mm._xparts_kernel, {"x_ptr": tname, "xp_ptr": "*bf16", "K": "i32", "stride_xm": "i32",
+                                            "stride_xp": "i32"}, {"BLOCK_Q": 64}))
+    st = "*fp32" if w.per_channel else "*fp16"
+    jobs.append((wq_mm._wq_dequant_kernel, {"q_ptr": "*u8" if w.bits == 4 else "*i8", "s_ptr": st, "m_ptr": st,
+                                            "w_ptr": tname, "NP": "i32", "KT": "i32"},
+                 dict(BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
+                      ASM=True)))
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    out = {}
+    for fn, sig, const in jobs:
+        sig = {**sig, **{k: "constexpr" for k in const}}
+        k = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": 4})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        out[fn.__name__] = sum(1 for line in sass.splitlines() if LINE.search(line))
+    return out
+
+
 def weight(layout: str, N: int, K: int):
     from lowbit.kernels.wq_mm import wq_pack_int4, wq_pack_int8
     from lowbit.quant import parse_weights, quantize_weight
@@ -168,9 +207,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (default 90: H100/H200)")
     ap.add_argument("--layouts", default="int4-g128,int4-sym-g128,int4-g32,int4-sym-g32,int8-g32,int8")
-    ap.add_argument("--rows", default="1,16", help="decode row counts M (each picks its config)")
+    ap.add_argument("--rows", default="1,16", help="row counts M (each picks its config; 17-255: the 64-row "
+                    "prefill tiles)")
     ap.add_argument("--shape", default="4096x4096", help="N x K the configs are chosen for")
     ap.add_argument("--dtypes", default="float16,bfloat16", help="activation dtypes (float16, bfloat16)")
+    ap.add_argument("--helpers", action="store_true", help="also compile the pre-pass and dequantize kernels a "
+                    "launch may run, one line each")
     # Triton 3.9 warns unless this is set; 1 is its current default (FMA contraction on). The kernels
     # are compiled, never interpreted, whatever TRITON_INTERPRET the caller has (the tests set it).
     import os
@@ -188,8 +230,15 @@ def main() -> int:
         w = weight(layout, N, K)
         for dtype in args.dtypes.split(","):
             x_dtype = getattr(torch, dtype)
+            if args.helpers:
+                for name, n in compile_helpers(w, x_dtype, args.arch).items():
+                    print(f"{layout} {dtype} helper {name}: compiled, {n} SASS instructions", flush=True)
             for M in (int(m) for m in args.rows.split(",")):
                 cfg = wq_mm.choose_config(M, w, torch.device("cuda"), x_dtype)
+                if cfg.form != "mma":
+                    print(f"{layout} {dtype} M={M} form={cfg.form}: no K loop of its own (--helpers compiles its "
+                          f"dequantize kernel)", flush=True)
+                    continue
                 sass, ttgir = compile_config(w, cfg, x_dtype, args.arch)
                 loop = main_loop(sass)
                 words = columns_per_iteration(w) * TILE_N * w.bits // 32
