@@ -22,7 +22,7 @@ The product is swapped, y^T = W x^T: a program owns 128 output features and BLOC
 per instruction, kernels/wq_tile.py) and one dot multiplies them, exact integers, by x; the group
 scale factors out of the dot and is applied in fp32 once per group:
 acc += (codes @ x^T) * d (+ m * sum(x over the group), for the asymmetric layout; bf16 tiles hold
-codes + 128, which one more k-step of each dot takes off) — more accurate than dequantizing w to
+u + 128 — codes + 128, or + 136 symmetric — which one more k-step of each dot takes off) — more accurate than dequantizing w to
 fp16/bf16 first, which rounds every weight (2^-11 / 2^-8 relative). Groups of 64k columns take
 whole 64-column tiles; other multiples of 32 split each tile's dot by 32-column halves (x^T's rows
 of each half in columns of their own), each half scaled by its group.
@@ -170,9 +170,9 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, xp_ptr, y_ptr, ws_ptr, cnt
     # what the tiles' values exceed the weight's integers by: bf16 int4 tiles hold u + 128, the
     # weight is d * u + m (d * (u - 8) symmetric). Each dot takes it off again inside the MMA, one
     # more k-step against x's sums over its 32-column halves (xp: each sum as three bf16 parts that
-    # add up to it exactly): A = -BIAS in the parts' columns (a constant tile), B = the parts. So
-    # every group's partial is as exact as with unbiased codes; only fp32 accumulation inside the
-    # MMA sees the ~BIAS x sum(x) terms it cancels.
+    # add up to it exactly): A = -BIAS in the parts' columns (a constant tile), B = the parts. The
+    # ~BIAS x sum(x) terms it cancels meet only the MMA's fp32 accumulator, per group, never the
+    # scaled sum across groups (tests/test_triton_wq_mm.py measures what that leaves).
     BIAS: tl.constexpr = (BF16_BIAS + (0 if HAS_MIN else 8)) if (BITS == 4 and DTYPE == tl.bfloat16) else 0
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * 128 + tl.arange(0, 128)
@@ -191,15 +191,15 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, xp_ptr, y_ptr, ws_ptr, cnt
         upper = (tl.arange(0, 64) // 32)[:, None] == (j % 2)[None, :]
         n_rows = tl.cdiv(KT * 64, GROUP)  # scale rows
     if BIAS > 0:
-        # the bias step's operands: B [XR, columns] takes 4 rows per 32-column half (3 parts and a
-        # 0), a whole group's halves at once (groups of 64k) or a tile's two (others, columns (m,
-        # half) as x^T's); A [128, XR] is -BIAS in every row
-        XR: tl.constexpr = max(16, 8 * TPC) if WHOLE else 16
-        r = tl.arange(0, XR)
-        neg_bias = tl.full((128, XR), -BIAS, DTYPE)
+        # the bias step's operands: B [16, columns] takes 4 rows per 32-column half (3 parts and a
+        # 0) — a group's halves at once for groups of 64 and 128, else a tile's two (columns (m,
+        # half) as x^T's for groups of 32 and odd multiples); A [128, 16] is -BIAS in every row
+        PER_GROUP: tl.constexpr = WHOLE and TPC <= 2
+        r = tl.arange(0, 16)
+        neg_bias = tl.full((128, 16), -BIAS, DTYPE)
         if WHOLE:
-            xp_rows = (r < 8 * TPC)[:, None] & m_ok[None, :]
-            xp_off = offs_m[None, :] * stride_xp + r[:, None]  # + the group's first half x 4
+            xp_rows = (r < (8 * TPC if PER_GROUP else 8))[:, None] & m_ok[None, :]
+            xp_off = offs_m[None, :] * stride_xp + r[:, None]  # + the first half's index x 4
         else:
             xp_rows = (r < 4)[:, None] & (mm < M)[None, :]
             xp_off = mm[None, :] * stride_xp + (j % 2)[None, :] * 4 + r[:, None]  # + the tile's first half x 4
@@ -214,9 +214,10 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, xp_ptr, y_ptr, ws_ptr, cnt
                 x = _x_tile(x_ptr, t * 64, offs_m, m_ok, K, stride_xm, 64, DTYPE)  # [64, BM]
                 part = tl.dot(_tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM), x, part,
                               input_precision=PREC)
-            if BIAS > 0:  # halves past K hold sums of 0
-                xp = tl.load(xp_ptr + xp_off + c * (8 * TPC), mask=xp_rows, other=0.0)  # [XR, BM]
-                part = tl.dot(neg_bias, xp, part)
+                if BIAS > 0 and not PER_GROUP:  # this tile's two halves (halves past K hold sums of 0)
+                    part = tl.dot(neg_bias, tl.load(xp_ptr + xp_off + t * 8, mask=xp_rows, other=0.0), part)
+            if BIAS > 0 and PER_GROUP:  # the group's 2 or 4 halves
+                part = tl.dot(neg_bias, tl.load(xp_ptr + xp_off + c * (8 * TPC), mask=xp_rows, other=0.0), part)
             acc += part * tl.load(s_ptr + c * NP + offs_n).to(tl.float32)[:, None]
         else:
             # groups of 32 (or an odd multiple): a 64-column tile holds two half-tiles of 32 columns,
@@ -360,11 +361,13 @@ def _smem_limit(device: torch.device) -> int | None:
 
 def smem_estimate(cfg: LaunchConfig, x_bytes: int, bits: int) -> int:
     """Bytes of shared memory a launch needs, on the safe side: the x^T operand tiles of one chunk
-    (wgmma reads its B operand from shared memory) per pipeline stage, two chunks of weight tiles
-    when pipelined, and the fp32 epilogue tile. The weights themselves stay in registers."""
+    (wgmma reads its B operand from shared memory) and bf16's bias-step operand per pipeline stage,
+    two chunks of weight tiles when pipelined, and the fp32 epilogue tile. The weights themselves
+    stay in registers."""
     if cfg.form == "dequant":
         return 0
     stage = 2 * TILE_K * cfg.block_m * x_bytes + (2 * TILE_N * TILE_K * bits // 8 if cfg.num_stages > 1 else 0)
+    stage += 16 * 2 * cfg.block_m * 2  # bf16's bias step: its B operand, [16, 2 BM] bf16
     return cfg.num_stages * stage + TILE_N * cfg.block_m * 4
 
 

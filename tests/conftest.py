@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lowbit.runtime.ports import free_port
-from tests.helpers import ByteTokenizer
+from tests.helpers import ByteTokenizer, fix_interpreter_bf16_dot
 
 # Tests measure behaviour, not speed; two threads match the CI machine and keep runs comparable.
 torch.set_num_threads(min(2, os.cpu_count() or 2))
@@ -23,33 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _fix_interpreter_bf16_dot() -> None:
-    """Triton's interpreter (3.6-3.9) keeps bf16 tensors as raw uint16 bits and hands them to
-    np.matmul as integers, so every bf16 `tl.dot` comes out as garbage (a 3x32 @ 32x64 product was
-    off by 1e7). The GPU multiplies bf16 exactly into fp32; do the same: widen both sides to fp32."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    builder = interpreter.InterpreterBuilder
-    original = builder.create_dot
-    if getattr(original, "_lowbit_bf16", False):
-        return
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
-            a = self.cast_impl(a, tl.float32) if a.dtype.scalar == tl.bfloat16 else a
-            b = self.cast_impl(b, tl.float32) if b.dtype.scalar == tl.bfloat16 else b
-        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    create_dot._lowbit_bf16 = True
-    builder.create_dot = create_dot
-
-
-_fix_interpreter_bf16_dot()
+fix_interpreter_bf16_dot()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 from lowbit.runtime.ports import free_port
 
@@ -96,3 +97,30 @@ def one_line(e, *needles: str) -> str:
     for n in needles:
         assert n in msg, f"{n!r} not in {msg!r}"
     return msg
+
+
+def fix_interpreter_bf16_dot() -> None:
+    """Triton's interpreter (3.6-3.9) keeps bf16 tensors as raw uint16 bits and hands them to
+    np.matmul as integers, so every bf16 `tl.dot` comes out as garbage (a 3x32 @ 32x64 product was
+    off by 1e7). The GPU multiplies bf16 exactly into fp32; do the same: widen both sides to fp32.
+    tests/conftest.py applies it to every test run, tests/bench/wq_precision.py to its own."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_lowbit_bf16", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            a = self.cast_impl(a, tl.float32) if a.dtype.scalar == tl.bfloat16 else a
+            b = self.cast_impl(b, tl.float32) if b.dtype.scalar == tl.bfloat16 else b
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot._lowbit_bf16 = True
+    builder.create_dot = create_dot

@@ -57,10 +57,11 @@ def test_prefill_tiles_and_every_helper_compile_for_sm90():
     """What the decode count does not compile: the 64-row prefill tiles (M = 64) and the kernels a
     launch runs beside the matmul — x's group sums (asymmetric int4), x's 32-column sums in bf16
     parts (int4 with bf16 x) and the prefill form's dequantize (M = 300) — each compiled for sm_90
-    on the CPU, for every int4/int8 form and both 16-bit dtypes: the interpreter runs them all but
-    would not catch what only the compiler rejects."""
+    on the CPU, for int4 by halves and by whole groups, symmetric and not, int8 per group and per
+    channel, in both 16-bit dtypes: the interpreter runs them all but would not catch what only the
+    compiler rejects."""
     pytest.importorskip("triton")
-    layouts = ["int4-g32", "int4-sym-g128", "int4-sym-g64", "int8-g32", "int8"]
+    layouts = ["int4-g32", "int4-sym-g32", "int4-g128", "int4-sym-g64", "int8-g32", "int8"]
     r = subprocess.run([sys.executable, str(BENCH / "sass_count.py"), "--layouts", ",".join(layouts), "--rows",
                         "64,300", "--shape", "512x512", "--helpers"], capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -132,7 +132,7 @@ def compile_helpers(w, x_dtype: torch.dtype, arch: int) -> dict[str, int]:
 
     from lowbit.kernels import wq_mm
 
-    tname = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[x_dtype]
+    tname = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[x_dtype]
     jobs = []
     if w.mins is not None:
         jobs.append((wq_mm._xsum_kernel, {"x_ptr": tname, "xs_ptr": "*fp32", "K": "i32", "G": "i32", "stride_xm": "i32",
@@ -141,10 +141,10 @@ def compile_helpers(w, x_dtype: torch.dtype, arch: int) -> dict[str, int]:
         jobs.append((wq_mm._xparts_kernel, {"x_ptr": tname, "xp_ptr": "*bf16", "K": "i32", "stride_xm": "i32",
                                             "stride_xp": "i32"}, {"BLOCK_Q": 64}))
     st = "*fp32" if w.per_channel else "*fp16"
-    jobs.append((wq_mm._wq_dequant_kernel, {"q_ptr": "*u8" if w.bits == 4 else "*i8", "s_ptr": st, "m_ptr": st,
+    jobs += [] if x_dtype == torch.float32 else [(wq_mm._wq_dequant_kernel, {"q_ptr": "*u8" if w.bits == 4 else "*i8", "s_ptr": st, "m_ptr": st,
                                             "w_ptr": tname, "NP": "i32", "KT": "i32"},
                  dict(BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
-                      ASM=True)))
+                      ASM=True))]  # the dequantize form serves 16-bit x only
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     out = {}
     for fn, sig, const in jobs:
