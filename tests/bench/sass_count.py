@@ -114,12 +114,18 @@ def compile_config(w, cfg, x_dtype: torch.dtype, arch: int):
     src = ASTSource(_wq_mm_kernel, sig, constexprs=const, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return disassemble(k.asm["cubin"]), k.asm["ttgir"]
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS of a cubin, by the nvdisasm in Triton's wheel."""
+    import triton
+
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
-    return sass, k.asm["ttgir"]
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def compile_helpers(w, x_dtype: torch.dtype, arch: int) -> dict[str, int]:
@@ -145,17 +151,12 @@ def compile_helpers(w, x_dtype: torch.dtype, arch: int) -> dict[str, int]:
                                             "w_ptr": tname, "NP": "i32", "KT": "i32"},
                  dict(BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
                       ASM=True))]  # the dequantize form serves 16-bit x only
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     out = {}
     for fn, sig, const in jobs:
         sig = {**sig, **{k: "constexpr" for k in const}}
         k = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", arch, 32),
                            options={"num_warps": 4})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
-        out[fn.__name__] = sum(1 for line in sass.splitlines() if LINE.search(line))
+        out[fn.__name__] = sum(1 for line in disassemble(k.asm["cubin"]).splitlines() if LINE.search(line))
     return out
 
 
