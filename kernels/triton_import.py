@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     def _jit(fn=None, **_):
         return _Unavailable(fn.__name__) if fn is not None else _jit
 
-    triton = types.SimpleNamespace(jit=_jit, cdiv=lambda a, b: -(-a // b),
+    triton = types.SimpleNamespace(jit=_jit, constexpr_function=lambda fn: fn, cdiv=lambda a, b: -(-a // b),
                                    next_power_of_2=lambda n: 1 << max(0, int(n) - 1).bit_length())
     class _Constexpr:  # an annotation of kernel arguments, and the wrapper of module-level constants (PTX)
         def __init__(self, value=None):

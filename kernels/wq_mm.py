@@ -22,7 +22,7 @@ The product is swapped, y^T = W x^T: a program owns 128 output features and BLOC
 per instruction, kernels/wq_tile.py) and one dot multiplies them, exact integers, by x; the group
 scale factors out of the dot and is applied in fp32 once per group:
 acc += (codes @ x^T) * d (+ m * sum(x over the group), for the asymmetric layout; bf16 tiles hold
-u + 128 — codes + 128, or + 136 symmetric — which one more k-step of each dot takes off) — more accurate than dequantizing w to
+u + 128, which one more k-step of each dot takes off) — more accurate than dequantizing w to
 fp16/bf16 first, which rounds every weight (2^-11 / 2^-8 relative). Groups of 64k columns take
 whole 64-column tiles; other multiples of 32 split each tile's dot by 32-column halves (x^T's rows
 of each half in columns of their own), each half scaled by its group.
@@ -45,10 +45,10 @@ from lowbit.kernels.int4_mm import int4_dequant_ref
 from lowbit.kernels.int8_mm import int8_dequant_ref
 from lowbit.kernels.triton_import import OutOfResources, check_device, interpreting, tl, triton
 from lowbit.kernels.wq_tile import (
-    BF16_BIAS,
     TILE_K,
     TILE_N,
     TILE_WARPS,
+    int4_tile_bias,
     load_int4_tile,
     load_int8_tile,
     padded,
@@ -173,7 +173,7 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, xp_ptr, y_ptr, ws_ptr, cnt
     # add up to it exactly): A = -BIAS in the parts' columns (a constant tile), B = the parts. The
     # ~BIAS x sum(x) terms it cancels meet only the MMA's fp32 accumulator, per group, never the
     # scaled sum across groups (tests/test_triton_wq_mm.py measures what that leaves).
-    BIAS: tl.constexpr = (BF16_BIAS + (0 if HAS_MIN else 8)) if (BITS == 4 and DTYPE == tl.bfloat16) else 0
+    BIAS: tl.constexpr = int4_tile_bias(DTYPE, not HAS_MIN) if BITS == 4 else 0
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * 128 + tl.arange(0, 128)
     m_ok = offs_m < M
@@ -323,7 +323,7 @@ def _wq_dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, NP, KT, BITS: tl.constexpr, H
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     DTYPE: tl.constexpr = w_ptr.dtype.element_ty
-    BIAS: tl.constexpr = (BF16_BIAS + (0 if HAS_MIN else 8)) if (BITS == 4 and DTYPE == tl.bfloat16) else 0
+    BIAS: tl.constexpr = int4_tile_bias(DTYPE, not HAS_MIN) if BITS == 4 else 0
     offs_n = pid_n * 128 + tl.arange(0, 128)
     offs_k = t * 64 + tl.arange(0, 64)
     u = _tile(q_ptr, pid_n * KT + t, BITS, HAS_MIN, DTYPE, ASM).to(tl.float32) - BIAS  # [128, 64]: u (u - 8), exact

@@ -32,11 +32,11 @@ OR a code into the mantissa of 1024 (fp16 0x6400, ulp 1) or 128 (bf16 0x4300), w
 mantissa also takes the nibble above in place (1024 + 16 c), scaled back by one fma with 1/16, so a
 register's 8 codes cost one shift, 4 lop3 and 4 f16x2 ops. bf16's 7 bits do not take the nibble
 above, so bf16 shifts for each nibble (3 shifts, 4 lop3) and keeps the magic: a bf16 tile holds
-u + 128 (BF16_BIAS), and the matmul takes 128 (136 symmetric) x x's sums back off inside each dot
-(kernels/wq_mm.py) — 4 instructions a word fewer than subtracting here. int8 codes q become q + 128 (xor 0x80)
-under the magic byte. On CUDA the decode is PTX (`tl.inline_asm_elementwise`, elementwise over the
-16-bit words); elsewhere (the interpreter) the same values by integer ops, and the fp32 exact path
-widens the codes directly.
+u + 128, the weight's integer plus `int4_tile_bias` (128, or 136 symmetric), which the matmul
+takes back off inside each dot (kernels/wq_mm.py) — 4 instructions a word fewer than subtracting
+here. int8 codes q become q + 128 (xor 0x80) under the magic byte. On CUDA the decode is PTX
+(`tl.inline_asm_elementwise`, elementwise over the 16-bit words); elsewhere (the interpreter) the
+same values by integer ops, and the fp32 exact path widens the codes directly.
 """
 
 from __future__ import annotations
@@ -189,7 +189,13 @@ _INT8_BF16 = """{
 INT4_F16 = tl.constexpr(_INT4_F16.format(sub="0x64006400", off="0xd400d400"))
 INT4_F16_SYM = tl.constexpr(_INT4_F16.format(sub="0x64086408", off="0xd480d480"))
 INT4_BF16 = tl.constexpr(_INT4_BF16)
-BF16_BIAS = tl.constexpr(128)  # a bf16 int4 tile's values: u + BF16_BIAS
+
+
+@triton.constexpr_function
+def int4_tile_bias(dtype, sym):
+    """What an int4 tile in `dtype` holds above the weight's integer u (u - 8 when `sym`): bf16 keeps
+    the magic, u + 128, so 128 (136 symmetric); fp16 and fp32 nothing."""
+    return (136 if sym else 128) if dtype == tl.bfloat16 else 0
 INT8_F16 = tl.constexpr(_INT8_F16)
 INT8_BF16 = tl.constexpr(_INT8_BF16)
 
@@ -197,8 +203,8 @@ INT8_BF16 = tl.constexpr(_INT8_BF16)
 @triton.jit
 def load_int4_tile(q_ptr, tile, SYM: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
     """Tile `tile` of an int4 weight → its values [128, 64] in DTYPE, row n, column k, as
-    `tile_pack_int4` laid them: fp16 and fp32 the codes u (u - 8 when SYM), bf16 u + BF16_BIAS
-    whether SYM or not (the caller takes the bias off)."""
+    `tile_pack_int4` laid them: the weight's integers u (u - 8 when SYM) plus int4_tile_bias(DTYPE,
+    SYM) — bf16 u + 128 either way (the caller takes the bias off)."""
     t = tl.arange(0, 128)
     r = tl.arange(0, 16)
     words = q_ptr.to(tl.pointer_type(tl.uint16))
@@ -214,7 +220,7 @@ def load_int4_tile(q_ptr, tile, SYM: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.
         else:
             c0, c1, c2, c3 = tl.inline_asm_elementwise(INT4_BF16, "=r,=r,=r,=r,r", [u], (tl.bfloat16,) * 4, True, 2)
     else:  # via fp32: the interpreter casts integers to bf16 wrongly
-        off = -BF16_BIAS if DTYPE == tl.bfloat16 else (8 if SYM else 0)
+        off = (8 if SYM else 0) - int4_tile_bias(DTYPE, SYM)
         c0 = ((u & 0xF).to(tl.float32) - off).to(DTYPE)
         c1 = (((u >> 4) & 0xF).to(tl.float32) - off).to(DTYPE)
         c2 = (((u >> 8) & 0xF).to(tl.float32) - off).to(DTYPE)
