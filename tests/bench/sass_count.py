@@ -87,33 +87,37 @@ def main_loop(sass: str) -> list[str]:
     return max(weights or loops, key=len, default=[])
 
 
-def compile_config(w, cfg, x_dtype: torch.dtype, arch: int):
-    """The decode kernel for this weight and launch config, compiled for sm_<arch> → (sass, ttgir).
-    Pointers and the integer arguments a real launch passes as multiples of 16 (the shapes and
-    strides of a 4096x4096 weight) are marked so, as Triton's launcher specializes them."""
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}  # Triton's signature types
+
+
+def compile_sm(fn, sig: dict, const: dict, arch: int, attrs: dict | None = None, **options):
+    """A kernel compiled for sm_<arch> on the CPU, from its argument types and constexprs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    src = ASTSource(fn, {**sig, **{k: "constexpr" for k in const}}, constexprs=const, attrs=attrs or {})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_config(w, cfg, x_dtype: torch.dtype, arch: int):
+    """The decode kernel for this weight and launch config, compiled for sm_<arch> → (sass, ttgir).
+    Pointers and the integer arguments a real launch passes as multiples of 16 (the shapes and
+    strides of a 4096x4096 weight) are marked so, as Triton's launcher specializes them."""
     from lowbit.kernels.wq_mm import _wq_mm_kernel
 
-    tname = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
     qt = "*u8" if w.bits == 4 else "*i8"
     st = "*fp32" if w.per_channel else "*fp16"
-    sig = {"x_ptr": tname[x_dtype], "q_ptr": qt, "s_ptr": st, "m_ptr": st, "xs_ptr": "*fp32", "xp_ptr": "*bf16",
-           "y_ptr": tname[x_dtype],
-           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NP": "i32", "KT": "i32",
-           "stride_xm": "i32", "stride_ym": "i32", "stride_xs": "i32", "stride_xp": "i32"}
+    sig = {"x_ptr": POINTER[x_dtype], "q_ptr": qt, "s_ptr": st, "m_ptr": st, "xs_ptr": "*fp32", "xp_ptr": "*bf16",
+           "y_ptr": POINTER[x_dtype], "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "NP": "i32", "KT": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_xs": "i32", "stride_xp": "i32"}
     const = dict(BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
                  BLOCK_M=cfg.block_m, SPLIT_K=cfg.split_k, ASM=x_dtype != torch.float32,
                  IEEE=x_dtype == torch.float32)
     sixteen = [n for n, t in sig.items() if t.startswith("*")] + ["N", "K", "NP", "KT", "stride_xm", "stride_ym",
                                                                   "stride_xs", "stride_xp"]
     attrs = {(_wq_mm_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in sixteen}
-    sig.update({k: "constexpr" for k in const})
-    src = ASTSource(_wq_mm_kernel, sig, constexprs=const, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    k = compile_sm(_wq_mm_kernel, sig, const, arch, attrs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return disassemble(k.asm["cubin"]), k.asm["ttgir"]
 
 
@@ -131,32 +135,28 @@ def disassemble(cubin: bytes) -> str:
 def compile_helpers(w, x_dtype: torch.dtype, arch: int) -> dict[str, int]:
     """The other kernels a launch with this weight and activation dtype may run, compiled for
     sm_<arch> → SASS instructions of each: the per-call pre-passes (x's group sums for the mins,
-    x's 32-column sums in bf16 parts for bf16's biased int4 tiles) and the prefill form's dequantize."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    x's 32-column sums in bf16 parts for bf16's biased int4 tiles) and the prefill form's dequantize
+    (16-bit x only)."""
     from lowbit.kernels import wq_mm
 
-    tname = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[x_dtype]
+    x = POINTER[x_dtype]
     jobs = []
     if w.mins is not None:
-        jobs.append((wq_mm._xsum_kernel, {"x_ptr": tname, "xs_ptr": "*fp32", "K": "i32", "G": "i32", "stride_xm": "i32",
+        jobs.append((wq_mm._xsum_kernel, {"x_ptr": x, "xs_ptr": "*fp32", "K": "i32", "G": "i32", "stride_xm": "i32",
                                           "stride_xs": "i32"}, {"GROUP": w.group_size, "BLOCK_G": 32}))
     if w.bits == 4 and x_dtype == torch.bfloat16:
-        jobs.append((wq_mm._xparts_kernel, {"x_ptr": tname, "xp_ptr": "*bf16", "K": "i32", "stride_xm": "i32",
+        jobs.append((wq_mm._xparts_kernel, {"x_ptr": x, "xp_ptr": "*bf16", "K": "i32", "stride_xm": "i32",
                                             "stride_xp": "i32"}, {"BLOCK_Q": 64}))
-    st = "*fp32" if w.per_channel else "*fp16"
-    jobs += [] if x_dtype == torch.float32 else [(wq_mm._wq_dequant_kernel, {"q_ptr": "*u8" if w.bits == 4 else "*i8", "s_ptr": st, "m_ptr": st,
-                                            "w_ptr": tname, "NP": "i32", "KT": "i32"},
-                 dict(BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
-                      ASM=True))]  # the dequantize form serves 16-bit x only
+    if x_dtype != torch.float32:
+        st = "*fp32" if w.per_channel else "*fp16"
+        jobs.append((wq_mm._wq_dequant_kernel, {"q_ptr": "*u8" if w.bits == 4 else "*i8", "s_ptr": st, "m_ptr": st,
+                                                "w_ptr": x, "NP": "i32", "KT": "i32"},
+                     dict(BITS=w.bits, HAS_MIN=w.mins is not None, PER_CHANNEL=w.per_channel, GROUP=w.group_size,
+                          ASM=True)))
     out = {}
     for fn, sig, const in jobs:
-        sig = {**sig, **{k: "constexpr" for k in const}}
-        k = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": 4})
-        out[fn.__name__] = sum(1 for line in disassemble(k.asm["cubin"]).splitlines() if LINE.search(line))
+        sass = disassemble(compile_sm(fn, sig, const, arch, num_warps=4).asm["cubin"])
+        out[fn.__name__] = sum(1 for line in sass.splitlines() if LINE.search(line))
     return out
 
 
