@@ -59,6 +59,7 @@ from lowbit.kernels.wq_tile import (
 
 DECODE_MAX_ROWS = 16  # up to this many rows: one row tile, K split over the grid
 DEQUANT_MIN_ROWS = 256  # from this many rows (16-bit x and y): dequantize, then cuBLAS
+XPREP_COLS = 2048  # columns of a row of x one pre-pass program sums: 64 halves, 2048 / g groups
 
 
 @dataclass
@@ -284,35 +285,37 @@ def _wq_mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, xs_ptr, xp_ptr, y_ptr, ws_ptr, cnt
 
 
 @triton.jit
-def _xsum_kernel(x_ptr, xs_ptr, K, G, stride_xm, stride_xs, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
-    """xs[m, g] = the sum of x[m, k] over group g (fp32, in one fixed order: a row's sums do not
-    depend on how many rows there are)."""
+def _xprep_kernel(x_ptr, xs_ptr, xp_ptr, K, G, stride_xm, stride_xs, stride_xp, GROUP: tl.constexpr,
+                  GROUP_P2: tl.constexpr, SUMS: tl.constexpr, PARTS: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_Q: tl.constexpr):
+    """What the matmul needs of x beyond x itself, one launch per call; program (row m, block b):
+    SUMS: xs[m, g] = the sum of x[m, k] over group g (fp32), groups b * BLOCK_G .. +BLOCK_G (the
+    mins' term). PARTS: xp[m, q, :] = the sum s of x[m, 32 q .. 32 q + 31] (fp32) as three bf16
+    parts hi + mid + lo == s exactly (each the rounding of what the ones before left) and a 0, halves
+    b * BLOCK_Q .. +BLOCK_Q (the B operand of the bf16 bias step); halves past K get zeros. Every sum
+    runs in one fixed order, so a row's values do not depend on how many rows there are."""
     m = tl.program_id(0)
-    gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    k = gs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_G, GROUP]
-    x = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-    tl.store(xs_ptr + m * stride_xs + gs, tl.sum(x, axis=1), mask=gs < G)
-
-
-@triton.jit
-def _xparts_kernel(x_ptr, xp_ptr, K, stride_xm, stride_xp, BLOCK_Q: tl.constexpr):
-    """xp[m, q, :] = the sum s of x[m, 32 q .. 32 q + 31] (fp32, one fixed order) as three bf16
-    parts hi + mid + lo == s exactly (each the rounding of what the ones before left), and a 0:
-    the B operand of the bf16 bias step. Halves past K get zeros."""
-    m = tl.program_id(0)
-    qs = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    k = qs[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCK_Q, 32]
-    s = tl.sum(tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32), axis=1)
-    hi = s.to(tl.bfloat16)
-    rest = s - hi.to(tl.float32)  # exact in fp32, as is what mid leaves of it
-    mid = rest.to(tl.bfloat16)
-    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)  # <= 8 significant bits: exact
-    out = xp_ptr + m * stride_xp + qs * 4
-    ok = qs * 4 < stride_xp
-    tl.store(out, hi, mask=ok)
-    tl.store(out + 1, mid, mask=ok)
-    tl.store(out + 2, lo, mask=ok)
-    tl.store(out + 3, tl.zeros_like(hi), mask=ok)
+    b = tl.program_id(1)
+    if SUMS:
+        gs = b * BLOCK_G + tl.arange(0, BLOCK_G)
+        j = tl.arange(0, GROUP_P2)  # GROUP rounded up to a power of 2 (groups of 96: 128, 32 masked off)
+        k = gs[:, None] * GROUP + j[None, :]  # [BLOCK_G, GROUP_P2]
+        x = tl.load(x_ptr + m * stride_xm + k, mask=(j < GROUP)[None, :] & (k < K), other=0.0).to(tl.float32)
+        tl.store(xs_ptr + m * stride_xs + gs, tl.sum(x, axis=1), mask=gs < G)
+    if PARTS:
+        qs = b * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        k = qs[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCK_Q, 32]
+        s = tl.sum(tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32), axis=1)
+        hi = s.to(tl.bfloat16)
+        rest = s - hi.to(tl.float32)  # exact in fp32, as is what mid leaves of it
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)  # <= 8 significant bits: exact
+        out = xp_ptr + m * stride_xp + qs * 4
+        ok = qs * 4 < stride_xp
+        tl.store(out, hi, mask=ok)
+        tl.store(out + 1, mid, mask=ok)
+        tl.store(out + 2, lo, mask=ok)
+        tl.store(out + 3, tl.zeros_like(hi), mask=ok)
 
 
 @triton.jit
@@ -481,17 +484,21 @@ def _launch(x: torch.Tensor, w: WQPacked, y: torch.Tensor, cfg: LaunchConfig) ->
         return
     grid = (NP // TILE_N, triton.cdiv(M, cfg.block_m), cfg.split_k)
     ws, counters = _workspace(w, x.device, grid[1], cfg) if cfg.split_k > 1 else (y, y)
-    xs = xp = y
-    if w.mins is not None:  # x summed per group, for the mins' term
-        G = triton.cdiv(w.in_features, w.group_size)
-        xs = torch.empty((M, G), device=x.device, dtype=torch.float32)
-        _xsum_kernel[(M, triton.cdiv(G, 32))](x, xs, w.in_features, G, x.stride(0), G, GROUP=w.group_size,
-                                               BLOCK_G=32)
-    if w.bits == 4 and x.dtype == torch.bfloat16:  # x's 32-column sums in parts, for the bias step
-        chunk = w.group_size if w.group_size % TILE_K == 0 else 4 * TILE_K  # the kernel's K chunk
-        halves = triton.cdiv(w.in_features, chunk) * chunk // 32  # whole chunks: the last one's tail holds 0
-        xp = torch.empty((M, halves, 4), device=x.device, dtype=torch.bfloat16)
-        _xparts_kernel[(M, triton.cdiv(halves, 64))](x, xp, w.in_features, x.stride(0), xp.stride(0), BLOCK_Q=64)
+    # the pre-pass: x's group sums for the mins' term, x's 32-column sums in bf16 parts for the
+    # bias step of bf16 int4 tiles — both in one launch when both are needed
+    sums, parts = w.mins is not None, w.bits == 4 and x.dtype == torch.bfloat16
+    G = triton.cdiv(w.in_features, w.group_size)
+    chunk = w.group_size if w.group_size % TILE_K == 0 else 4 * TILE_K  # the kernel's K chunk
+    halves = triton.cdiv(w.in_features, chunk) * chunk // 32  # whole chunks: the last one's tail holds 0
+    xs = torch.empty((M, G), device=x.device, dtype=torch.float32) if sums else y  # [M, G]
+    xp = torch.empty((M, halves, 4), device=x.device, dtype=torch.bfloat16) if parts else y  # [M, halves, 4]
+    if sums or parts:
+        g2 = triton.next_power_of_2(w.group_size)
+        block_g, block_q = max(1, XPREP_COLS // g2), XPREP_COLS // 32
+        blocks = max(triton.cdiv(G, block_g) if sums else 1, triton.cdiv(halves, block_q) if parts else 1)
+        _xprep_kernel[(M, blocks)](x, xs, xp, w.in_features, G, x.stride(0), xs.stride(0), xp.stride(0),
+                                   GROUP=w.group_size, GROUP_P2=g2, SUMS=sums, PARTS=parts, BLOCK_G=block_g,
+                                   BLOCK_Q=block_q)
     _wq_mm_kernel[grid](
         x, w.qweight, w.scales, mins, xs, xp, y, ws, counters, M, w.out_features, w.in_features, NP, KT,
         x.stride(0), y.stride(0), xs.stride(0), xp.stride(0), BLOCK_M=cfg.block_m, SPLIT_K=cfg.split_k,

@@ -55,8 +55,8 @@ def test_the_int4_decode_loop_fits_the_budget_on_sm90():
 
 def test_prefill_tiles_and_every_helper_compile_for_sm90():
     """What the decode count does not compile: the 64-row prefill tiles (M = 64) and the kernels a
-    launch runs beside the matmul — x's group sums (asymmetric int4), x's 32-column sums in bf16
-    parts (int4 with bf16 x) and the prefill form's dequantize (M = 300) — each compiled for sm_90
+    launch runs beside the matmul — the pre-pass of x's group sums (asymmetric int4) and 32-column
+    sums in bf16 parts (int4 with bf16 x), either or both, and the prefill form's dequantize (M = 300) — each compiled for sm_90
     on the CPU, for int4 by halves and by whole groups, symmetric and not, int8 per group and per
     channel, in both 16-bit dtypes: the interpreter runs them all but would not catch what only the
     compiler rejects."""
@@ -68,8 +68,8 @@ def test_prefill_tiles_and_every_helper_compile_for_sm90():
     for layout in layouts:
         for dtype in ("float16", "bfloat16"):
             want = {"_wq_dequant_kernel"}
-            want |= {"_xsum_kernel"} if layout.startswith("int4") and "sym" not in layout else set()
-            want |= {"_xparts_kernel"} if layout.startswith("int4") and dtype == "bfloat16" else set()
+            int4 = layout.startswith("int4")
+            want |= {"_xprep_kernel"} if int4 and ("sym" not in layout or dtype == "bfloat16") else set()
             got = set(re.findall(rf"^{layout} {dtype} helper (\w+): compiled, [1-9]\d* SASS instructions$",
                                  r.stdout, re.M))
             assert got == want, (layout, dtype, got, r.stdout)

@@ -56,10 +56,11 @@ def _device(name: str) -> torch.device:
 
 def _packed(layout: str, N: int, K: int, seed: int = 0):
     torch.manual_seed(seed)
-    if layout in ("int4-sym-g96", "int4-sym-g192"):  # GPTQ group sizes no quantizer of lowbit's makes
+    if layout.endswith(("-g96", "-g192")):  # GPTQ group sizes no quantizer of lowbit's makes
         g = int(layout.rsplit("g", 1)[1])
         codes = torch.randint(0, 16, (N, K), dtype=torch.uint8)
-        return None, wq_pack_int4(codes, (torch.rand(N, K // g) * 0.1).half(), None, g, K)
+        mins = None if "sym" in layout else (torch.rand(N, K // g) - 0.5).half()
+        return None, wq_pack_int4(codes, (torch.rand(N, K // g) * 0.1).half(), mins, g, K)
     w = quantize_weight(torch.randn(N, K), parse_weights(layout))
     if isinstance(w, Int4Weight):
         return w, wq_pack_int4(w.codes(), w.scales, w.mins, w.spec.group_size, K)
@@ -114,12 +115,13 @@ def test_split_k_and_tile_edges(layout, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["f16", "bf16", "f32"])
-@pytest.mark.parametrize("layout", LAYOUTS + ["int4-sym-g96", "int4-sym-g192"])
+@pytest.mark.parametrize("layout", LAYOUTS + ["int4-g96", "int4-sym-g96", "int4-sym-g192"])
 def test_decode_rows_do_not_depend_on_M(layout, dtype, device):
     """Batch invariance: a row's result is bit-identical whatever the number of rows beside it, for
     M = 1 .. 16 (one decode launch, its split chosen from the weight alone), and equal to the spec
     within tolerance. K = 600 spans several chunks and splits; groups of 96 are an odd multiple of
-    32 (halves of tiles, groups straddling tiles), groups of 192 three whole tiles."""
+    32 (halves of tiles, groups straddling tiles; asymmetric, their sums for the mins span 96 of a
+    128-wide block), groups of 192 three whole tiles."""
     dev = _device(device)
     K = 576 if layout.endswith(("g96", "g192")) else 600
     _, p = _packed(layout, 136, K)
@@ -135,8 +137,8 @@ def test_decode_rows_do_not_depend_on_M(layout, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", ["int4-g32", "int4-sym-g32", "int4-g64", "int4-g128", "int4-sym-g96",
-                                    "int4-sym-g192"])
+@pytest.mark.parametrize("layout", ["int4-g32", "int4-sym-g32", "int4-g64", "int4-g128", "int4-g96",
+                                    "int4-sym-g96", "int4-sym-g192"])
 def test_bf16_bias_cancels_inside_each_dot(layout, device):
     """bf16 int4 tiles hold u + 128, and one more k-step of each dot takes 128 (136 symmetric) x the
     32-column sums of x off again, inside the MMA. Where those sums dwarf y — every x near 50, or

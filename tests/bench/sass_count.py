@@ -134,19 +134,20 @@ def disassemble(cubin: bytes) -> str:
 
 def compile_helpers(w, x_dtype: torch.dtype, arch: int) -> dict[str, int]:
     """The other kernels a launch with this weight and activation dtype may run, compiled for
-    sm_<arch> → SASS instructions of each: the per-call pre-passes (x's group sums for the mins,
-    x's 32-column sums in bf16 parts for bf16's biased int4 tiles) and the prefill form's dequantize
-    (16-bit x only)."""
+    sm_<arch> → SASS instructions of each: the per-call pre-pass (x's group sums for the mins, x's
+    32-column sums in bf16 parts for bf16's biased int4 tiles: one kernel, either or both) and the
+    prefill form's dequantize (16-bit x only)."""
     from lowbit.kernels import wq_mm
 
     x = POINTER[x_dtype]
     jobs = []
-    if w.mins is not None:
-        jobs.append((wq_mm._xsum_kernel, {"x_ptr": x, "xs_ptr": "*fp32", "K": "i32", "G": "i32", "stride_xm": "i32",
-                                          "stride_xs": "i32"}, {"GROUP": w.group_size, "BLOCK_G": 32}))
-    if w.bits == 4 and x_dtype == torch.bfloat16:
-        jobs.append((wq_mm._xparts_kernel, {"x_ptr": x, "xp_ptr": "*bf16", "K": "i32", "stride_xm": "i32",
-                                            "stride_xp": "i32"}, {"BLOCK_Q": 64}))
+    sums, parts = w.mins is not None, w.bits == 4 and x_dtype == torch.bfloat16
+    if sums or parts:
+        g2 = 1 << (w.group_size - 1).bit_length()  # GROUP rounded up to a power of 2
+        jobs.append((wq_mm._xprep_kernel, {"x_ptr": x, "xs_ptr": "*fp32", "xp_ptr": "*bf16", "K": "i32", "G": "i32",
+                                           "stride_xm": "i32", "stride_xs": "i32", "stride_xp": "i32"},
+                     dict(GROUP=w.group_size, GROUP_P2=g2, SUMS=sums, PARTS=parts,
+                          BLOCK_G=max(1, wq_mm.XPREP_COLS // g2), BLOCK_Q=wq_mm.XPREP_COLS // 32)))
     if x_dtype != torch.float32:
         st = "*fp32" if w.per_channel else "*fp16"
         jobs.append((wq_mm._wq_dequant_kernel, {"q_ptr": "*u8" if w.bits == 4 else "*i8", "s_ptr": st, "m_ptr": st,
