@@ -318,6 +318,14 @@ def _xprep_kernel(x_ptr, xs_ptr, xp_ptr, K, G, stride_xm, stride_xs, stride_xp, 
         tl.store(out + 3, tl.zeros_like(hi), mask=ok)
 
 
+def xprep_constexprs(group_size: int, sums: bool, parts: bool) -> dict:
+    """The pre-pass's compile-time arguments: a program sums XPREP_COLS columns of a row of x, its
+    groups over a power-of-2 block masked to the group."""
+    g2 = triton.next_power_of_2(group_size)
+    return dict(GROUP=group_size, GROUP_P2=g2, SUMS=sums, PARTS=parts, BLOCK_G=max(1, XPREP_COLS // g2),
+                BLOCK_Q=XPREP_COLS // 32)
+
+
 @triton.jit
 def _wq_dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, NP, KT, BITS: tl.constexpr, HAS_MIN: tl.constexpr,
                        PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
@@ -487,18 +495,19 @@ def _launch(x: torch.Tensor, w: WQPacked, y: torch.Tensor, cfg: LaunchConfig) ->
     # the pre-pass: x's group sums for the mins' term, x's 32-column sums in bf16 parts for the
     # bias step of bf16 int4 tiles — both in one launch when both are needed
     sums, parts = w.mins is not None, w.bits == 4 and x.dtype == torch.bfloat16
-    G = triton.cdiv(w.in_features, w.group_size)
-    chunk = w.group_size if w.group_size % TILE_K == 0 else 4 * TILE_K  # the kernel's K chunk
-    halves = triton.cdiv(w.in_features, chunk) * chunk // 32  # whole chunks: the last one's tail holds 0
-    xs = torch.empty((M, G), device=x.device, dtype=torch.float32) if sums else y  # [M, G]
-    xp = torch.empty((M, halves, 4), device=x.device, dtype=torch.bfloat16) if parts else y  # [M, halves, 4]
+    xs = xp = y
     if sums or parts:
-        g2 = triton.next_power_of_2(w.group_size)
-        block_g, block_q = max(1, XPREP_COLS // g2), XPREP_COLS // 32
-        blocks = max(triton.cdiv(G, block_g) if sums else 1, triton.cdiv(halves, block_q) if parts else 1)
-        _xprep_kernel[(M, blocks)](x, xs, xp, w.in_features, G, x.stride(0), xs.stride(0), xp.stride(0),
-                                   GROUP=w.group_size, GROUP_P2=g2, SUMS=sums, PARTS=parts, BLOCK_G=block_g,
-                                   BLOCK_Q=block_q)
+        G = triton.cdiv(w.in_features, w.group_size)
+        chunk = w.group_size if w.group_size % TILE_K == 0 else 4 * TILE_K  # the kernel's K chunk
+        halves = triton.cdiv(w.in_features, chunk) * chunk // 32  # whole chunks: the last one's tail holds 0
+        if sums:
+            xs = torch.empty((M, G), device=x.device, dtype=torch.float32)  # [M, G]
+        if parts:
+            xp = torch.empty((M, halves, 4), device=x.device, dtype=torch.bfloat16)  # [M, halves, 4]
+        const = xprep_constexprs(w.group_size, sums, parts)
+        blocks = max(triton.cdiv(G, const["BLOCK_G"]) if sums else 1,
+                     triton.cdiv(halves, const["BLOCK_Q"]) if parts else 1)
+        _xprep_kernel[(M, blocks)](x, xs, xp, w.in_features, G, x.stride(0), xs.stride(0), xp.stride(0), **const)
     _wq_mm_kernel[grid](
         x, w.qweight, w.scales, mins, xs, xp, y, ws, counters, M, w.out_features, w.in_features, NP, KT,
         x.stride(0), y.stride(0), xs.stride(0), xp.stride(0), BLOCK_M=cfg.block_m, SPLIT_K=cfg.split_k,

@@ -189,6 +189,8 @@ _INT8_BF16 = """{
 INT4_F16 = tl.constexpr(_INT4_F16.format(sub="0x64006400", off="0xd400d400"))
 INT4_F16_SYM = tl.constexpr(_INT4_F16.format(sub="0x64086408", off="0xd480d480"))
 INT4_BF16 = tl.constexpr(_INT4_BF16)
+INT8_F16 = tl.constexpr(_INT8_F16)
+INT8_BF16 = tl.constexpr(_INT8_BF16)
 
 
 @triton.constexpr_function
@@ -196,8 +198,6 @@ def int4_tile_bias(dtype, sym):
     """What an int4 tile in `dtype` holds above the weight's integer u (u - 8 when `sym`): bf16 keeps
     the magic, u + 128, so 128 (136 symmetric); fp16 and fp32 nothing."""
     return (136 if sym else 128) if dtype == tl.bfloat16 else 0
-INT8_F16 = tl.constexpr(_INT8_F16)
-INT8_BF16 = tl.constexpr(_INT8_BF16)
 
 
 @triton.jit

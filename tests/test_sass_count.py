@@ -56,10 +56,10 @@ def test_the_int4_decode_loop_fits_the_budget_on_sm90():
 def test_prefill_tiles_and_every_helper_compile_for_sm90():
     """What the decode count does not compile: the 64-row prefill tiles (M = 64) and the kernels a
     launch runs beside the matmul — the pre-pass of x's group sums (asymmetric int4) and 32-column
-    sums in bf16 parts (int4 with bf16 x), either or both, and the prefill form's dequantize (M = 300) — each compiled for sm_90
-    on the CPU, for int4 by halves and by whole groups, symmetric and not, int8 per group and per
-    channel, in both 16-bit dtypes: the interpreter runs them all but would not catch what only the
-    compiler rejects."""
+    sums in bf16 parts (int4 with bf16 x), either or both, and the prefill form's dequantize
+    (M = 300) — each compiled for sm_90 on the CPU, for int4 by halves and by whole groups,
+    symmetric and not, int8 per group and per channel, in both 16-bit dtypes: the interpreter runs
+    them all but would not catch what only the compiler rejects."""
     pytest.importorskip("triton")
     layouts = ["int4-g32", "int4-sym-g32", "int4-g128", "int4-sym-g64", "int8-g32", "int8"]
     r = subprocess.run([sys.executable, str(BENCH / "sass_count.py"), "--layouts", ",".join(layouts), "--rows",

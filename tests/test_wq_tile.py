@@ -2,8 +2,9 @@
 
 The PTX only runs on an NVIDIA GPU (the interpreter decodes with integer ops instead), so here it
 runs on a small emulator of the few instructions it uses — PTX ISA semantics, written from the ISA
-manual: prmt's byte select, lop3's truth table, f16x2 arithmetic and the bf16x2 conversion rounded once — over every
-byte value in every position of the register, against the codes the tile's docstring defines.
+manual: prmt's byte select, lop3's truth table, f16x2 arithmetic and the bf16x2 conversion rounded
+once — over every byte value in every position of the register, against the codes the tile's
+docstring defines.
 """
 
 from __future__ import annotations

@@ -143,11 +143,9 @@ def compile_helpers(w, x_dtype: torch.dtype, arch: int) -> dict[str, int]:
     jobs = []
     sums, parts = w.mins is not None, w.bits == 4 and x_dtype == torch.bfloat16
     if sums or parts:
-        g2 = 1 << (w.group_size - 1).bit_length()  # GROUP rounded up to a power of 2
         jobs.append((wq_mm._xprep_kernel, {"x_ptr": x, "xs_ptr": "*fp32", "xp_ptr": "*bf16", "K": "i32", "G": "i32",
                                            "stride_xm": "i32", "stride_xs": "i32", "stride_xp": "i32"},
-                     dict(GROUP=w.group_size, GROUP_P2=g2, SUMS=sums, PARTS=parts,
-                          BLOCK_G=max(1, wq_mm.XPREP_COLS // g2), BLOCK_Q=wq_mm.XPREP_COLS // 32)))
+                     wq_mm.xprep_constexprs(w.group_size, sums, parts)))
     if x_dtype != torch.float32:
         st = "*fp32" if w.per_channel else "*fp16"
         jobs.append((wq_mm._wq_dequant_kernel, {"q_ptr": "*u8" if w.bits == 4 else "*i8", "s_ptr": st, "m_ptr": st,
