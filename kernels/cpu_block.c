@@ -149,8 +149,8 @@ static int block_check(const lowbit_ctx *c, const lowbit_block *b) {
     const lowbit_linear *ws[4] = {&b->qkv, &b->o, &b->gate_up, &b->down};
     for (int i = 0; i < 4; i++)
         if (lowbit_linear_check(ws[i], c->isa)) return -1;
-    if (b->qkv.N != (H + 2 * Hkv) * D || b->qkv.K != b->dim || b->o.N != b->dim || b->o.K != H * D ||
-        b->gate_up.N != 2 * b->hidden || b->gate_up.K != b->dim || b->down.N != b->dim || b->down.K != b->hidden)
+    if (lowbit_linear_rows(&b->qkv) != (H + 2 * Hkv) * D || b->qkv.K != b->dim || lowbit_linear_rows(&b->o) != b->dim || b->o.K != H * D ||
+        lowbit_linear_rows(&b->gate_up) != 2 * b->hidden || b->gate_up.K != b->dim || lowbit_linear_rows(&b->down) != b->dim || b->down.K != b->hidden)
         return -1;
     return 0;
 }

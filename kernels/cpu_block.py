@@ -10,10 +10,11 @@ silu_mul.py `*_cpu`) and the same matmul kernel as a fast QuantLinear, so a row 
 bit for bit, the row the unfused path computes; the model uses this form only for steps whose
 matmuls are all on the fast kernel (models/llama.py).
 
-Taken only where the C kernels build and every weight of the block is in lowbit's int4 or int8
-tile layout with no padding rows or columns and no input permutation (act-order GPTQ), QKV and gate/up
-each fused into one matrix (what the default model's GGUF gives); otherwise `fused_block` returns None
-and the block runs op by op.
+Taken only where the C kernels build and every weight of the block is in one of lowbit's tile layouts
+(int4, int8, GGML blocks in tiles, or runs of them: kernels/segments.py) or the file's GGML blocks, with
+no padding rows or columns and no input permutation (act-order GPTQ), QKV and gate/up each fused into
+one matrix (what the default model's GGUF gives); otherwise `fused_block` returns None and the block
+runs op by op.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from lowbit.kernels import cpu_native
 from lowbit.kernels.ggml_mm import GgmlPacked
 from lowbit.kernels.int4_mm import Int4Packed
 from lowbit.kernels.int8_mm import Int8Packed
+from lowbit.kernels.kq_mm import KqPacked
+from lowbit.kernels.segments import Segments
 
 
 def _linear(w, bias: torch.Tensor | None, native) -> "cpu_native._Linear | None":
@@ -35,18 +38,28 @@ def _linear(w, bias: torch.Tensor | None, native) -> "cpu_native._Linear | None"
         d = w.c_desc()
         return cpu_native._Linear(d.kind, d.N, d.K, d.group, d.P, d.data, bias.data_ptr() if bias is not None else None,
                                   d.split, d.P2, d.data2)
-    if not isinstance(w, (Int4Packed, Int8Packed)) or w.native is not native:  # one set of kernels per block
-        return None
+    if not isinstance(w, (Int4Packed, Int8Packed, KqPacked, Segments)) or w.native is not native:
+        return None  # one set of kernels per block
     Np, Kp = w.padded_shape
     if Np != w.out_features or Kp != w.in_features:
         return None
-    d = w.c_desc()
-    return cpu_native._Linear(d.kind, d.N, d.K, d.group, d.P, d.data, bias.data_ptr() if bias is not None else None)
+    d = w.c_desc()  # a chain's head points at the Segments' own copies, which the block holds through w
+    return cpu_native._Linear(d.kind, d.N, d.K, d.group, d.P, d.data, bias.data_ptr() if bias is not None else None,
+                              0, 0, None, d.next)
+
+
+def _rows(d: "cpu_native._Linear") -> int:
+    """Output rows of a descriptor and the runs chained after it (kernels/segments.py)."""
+    n = d.N
+    while d.next:
+        d = d.next.contents
+        n += d.N
+    return n
 
 
 class FusedBlock:
-    """A block's descriptor, the tensors it points into (held so the pointers stay valid) and the C
-    kernels that run it."""
+    """A block's descriptor, the tensors and packed weights it points into (held so the pointers stay
+    valid: a chain's descriptors live in its Segments) and the C kernels that run it."""
 
     def __init__(self, desc: "cpu_native._Block", held: list, native: "cpu_native.NativeKernels"):
         self.desc, self.held, self.native = desc, held, native
@@ -106,14 +119,14 @@ def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: tor
     dim, H, Hkv, D, hidden = dims
     linears = [_linear(*p, native) for p in (qkv, o, gate_up, down)]
     shapes = [((H + 2 * Hkv) * D, dim), (dim, H * D), (2 * hidden, dim), (dim, hidden)]
-    if any(l is None or (l.N, l.K) != s for l, s in zip(linears, shapes)):
+    if any(l is None or (_rows(l), l.K) != s for l, s in zip(linears, shapes)):
         return None
     for t in (attn_norm, ffn_norm):
         if t.dtype != torch.float32 or t.shape != (dim,) or not t.is_contiguous():
             return None
     desc = cpu_native._Block(dim, H, Hkv, D, hidden, eps, attn_norm.data_ptr(), ffn_norm.data_ptr(), *linears)
     held = [attn_norm, ffn_norm] + [t for w, b in (qkv, o, gate_up, down) for t in (*vars(w).values(), b)
-                                    if isinstance(t, torch.Tensor)]
+                                    if isinstance(t, torch.Tensor)] + [w for w, _ in (qkv, o, gate_up, down)]
     return FusedBlock(desc, held, native)
 
 

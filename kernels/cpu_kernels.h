@@ -14,7 +14,7 @@
  * prototype), and the sizeof and each field's offset and size of every struct it mirrors against
  * lowbit_abi_layout (cpu_wq_mm.c), so a change on one side only refuses the library instead of
  * corrupting memory. */
-#define LOWBIT_ABI_VERSION 2
+#define LOWBIT_ABI_VERSION 3
 
 int lowbit_abi_version(void);  /* LOWBIT_ABI_VERSION */
 /* The layout of the structs cpu_native.py mirrors, one entry per struct ("lowbit_block": offset 0,
@@ -29,7 +29,7 @@ enum { LOWBIT_ISA_AVX2 = 1, LOWBIT_ISA_VNNI256 = 2, LOWBIT_ISA_AVX512 = 3, LOWBI
 #define LOWBIT_TILE 16   /* output rows per tile of the packed layouts */
 #define LOWBIT_BLOCK 32  /* activation values per scale, and k per block of a tile's codes */
 
-/* One weight in lowbit's CPU layout (kernels/int4_mm.py, int8_mm.py write it, kernels/tile_layout.py
+/* One weight in lowbit's CPU layout (kernels/int4_mm.py, int8_mm.py, kq_mm.py write it, kernels/tile_layout.py
  * says where each group's bytes are): tiles of 16 output rows, tiles contiguous; per group of gs k,
  * the 16 rows' scales, then the group's gs / 32 blocks of codes, each block in VNNI quad order — 4
  * consecutive k of one row adjacent, 16 rows per 64 bytes:
@@ -37,63 +37,92 @@ enum { LOWBIT_ISA_AVX2 = 1, LOWBIT_ISA_VNNI256 = 2, LOWBIT_ISA_AVX512 = 3, LOWBI
  *                  codes per block 4 x 64 B, byte [j][r][i] = u[r][8j + i] | u[r][8j + 4 + i] << 4
  *   int8 (kind 2): scales d fp16 [16] (P = 2 bytes) or fp32 [16] (P = 4, per channel: one group of
  *                  K), codes per block 8 x 64 B, byte [j][r][i] = q[r][4j + i] + 128 (w = d q)
+ *   GGML blocks in tiles (kind 4, cpu_kq_tiles.c; P the GGML type, group its super-block: 256 for
+ *                  Q4_K, Q5_K, Q6_K, 32 for Q5_0, Q5_1): the header of the group's 16 rows (kq_mm.py
+ *                  says what each type's holds: fp16 super-scales, integer sub-block scales), then per
+ *                  block int4's 4 x 64 B of low nibbles and the codes' high bits: 64 B (5-bit codes,
+ *                  bit 2j + h of byte [r][i] is bit 4 of the code in nibble h of byte [j][r][i]) or
+ *                  2 x 64 B (6-bit: bits 2v, 2v + 1 of byte [r][i] of the first for nibble vectors
+ *                  v = 2j + h < 4, of the second for v - 4)
  * Units start on 64-byte lines: 64 bytes of scales (one group's, or two groups' when theirs take 32),
- * then those groups' codes.
+ * or a kind-4 header of 256 or 320 bytes, then those groups' codes.
  *   GGML blocks (kind 3, cpu_ggml.c): rows as GGUF stores them, each row K / QK blocks of its type (P, a
  *                  GGML type number; kernels/ggml_blocks.py), any N; rows from `split` on are of type
- *                  P2 at data2 (a fused QKV whose V rows have another type), else split = N. */
-typedef struct {
-    int64_t kind;   /* 1: int4, 2: int8, 3: GGML blocks */
-    int64_t N;      /* output rows held; kinds 1, 2: a multiple of 16 (padding rows are zero weights) */
+ *                  P2 at data2 (a fused QKV whose V rows have another type), else split = N.
+ * A tile-kind weight may go on in `next`: its rows N.. in a layout of their own (a fused QKV whose V
+ * rows have another type), so one call writes y [M, N + next->N + ...]. */
+typedef struct lowbit_linear {
+    int64_t kind;   /* 1: int4, 2: int8, 3: GGML blocks, 4: GGML blocks in tiles */
+    int64_t N;      /* output rows held; kinds 1, 2, 4: a multiple of 16 (padding rows are zero weights) */
     int64_t K;      /* input features, a whole number of groups (x is padded to it) */
-    int64_t group;  /* k per group: 32, 64, 128 (int8 per channel: K; kind 3: values per block) */
-    int64_t P;      /* int4: scales per row and group (1 or 2); int8: bytes per scale (2 or 4); kind 3: type */
+    int64_t group;  /* k per group: 32, 64, 128 (int8 per channel: K; kinds 3, 4: values per block) */
+    int64_t P;      /* int4: scales per row and group (1 or 2); int8: bytes per scale (2 or 4); kinds 3, 4: type */
     const uint8_t *data;
-    const float *bias;  /* fp32 [N] or NULL */
+    const float *bias;  /* fp32 [N + rows of next...] or NULL */
     int64_t split, P2;  /* kind 3: rows of type P, the type of the rest */
     const uint8_t *data2;
+    const struct lowbit_linear *next;  /* kinds 1, 2, 4: the rows after these, or NULL */
 } lowbit_linear;
 
-/* Bytes of one group's 16 scales, of its codes, and log2 of the groups per unit (kernels/tile_layout.py:
- * one, or two when their scales take 32 bytes). Shifts, not divisions: these run per group per pass. */
-static inline int64_t lowbit_scale_bytes(const lowbit_linear *w) { return w->kind == 1 ? 32 * w->P : 16 * w->P; }
-static inline int64_t lowbit_code_bytes(const lowbit_linear *w) { return (w->kind == 1 ? 8 : 16) * w->group; }
+enum { LOWBIT_Q5_0 = 6, LOWBIT_Q5_1 = 7, LOWBIT_Q4_K = 12, LOWBIT_Q5_K = 13, LOWBIT_Q6_K = 14 };
+
+/* Kind 4: a group's header bytes (16 rows) and a 32-k block's code bytes, by GGML type (0: not one). */
+static inline int64_t lowbit_kq_header(int64_t t) {
+    return t == LOWBIT_Q4_K || t == LOWBIT_Q5_K ? 256 : t == LOWBIT_Q6_K ? 320 : t == LOWBIT_Q5_0 ? 32
+         : t == LOWBIT_Q5_1 ? 64 : 0;
+}
+static inline int64_t lowbit_kq_block(int64_t t) { return t == LOWBIT_Q4_K ? 256 : t == LOWBIT_Q6_K ? 384 : 320; }
+
+/* Bytes of one group's 16 scales (a kind-4 header), of its codes, and log2 of the groups per unit
+ * (kernels/tile_layout.py: one, or two when their scales take 32 bytes). Shifts, not divisions: these
+ * run per group per pass. */
+static inline int64_t lowbit_scale_bytes(const lowbit_linear *w) {
+    return w->kind == 1 ? 32 * w->P : w->kind == 2 ? 16 * w->P : lowbit_kq_header(w->P);
+}
+static inline int64_t lowbit_code_bytes(const lowbit_linear *w) {
+    return w->kind == 1 ? 8 * w->group : w->kind == 2 ? 16 * w->group : w->group / 32 * lowbit_kq_block(w->P);
+}
 static inline int64_t lowbit_pair_shift(const lowbit_linear *w) { return lowbit_scale_bytes(w) == 32; }
+/* The bytes a unit's scales take: 64 (one or two groups'), or a kind-4 header of more. */
+static inline int64_t lowbit_unit_head(const lowbit_linear *w) {
+    const int64_t sb = lowbit_scale_bytes(w);
+    return sb <= 64 ? 64 : sb;
+}
 
 static inline int64_t lowbit_tile_bytes(const lowbit_linear *w) {
-    const int64_t G = w->K / w->group, s = lowbit_pair_shift(w), cb = lowbit_code_bytes(w);
-    return (G >> s) * (64 + (cb << s)) + (G & s) * (64 + cb);
+    const int64_t G = w->K / w->group, s = lowbit_pair_shift(w), cb = lowbit_code_bytes(w), A = lowbit_unit_head(w);
+    return (G >> s) * (A + (cb << s)) + (G & s) * (A + cb);
 }
 
 /* Group gi of a tile: its scales and codes. */
 static inline const uint8_t *lowbit_group_scales(const lowbit_linear *w, const uint8_t *tile, int64_t gi) {
     const int64_t s = lowbit_pair_shift(w);
-    return tile + (gi >> s) * (64 + (lowbit_code_bytes(w) << s)) + (gi & s) * 32;
+    return tile + (gi >> s) * (lowbit_unit_head(w) + (lowbit_code_bytes(w) << s)) + (gi & s) * 32;
 }
 
 static inline const uint8_t *lowbit_group_codes(const lowbit_linear *w, const uint8_t *tile, int64_t gi) {
-    const int64_t s = lowbit_pair_shift(w), cb = lowbit_code_bytes(w);
-    return tile + (gi >> s) * (64 + (cb << s)) + 64 + (gi & s) * cb;
+    const int64_t s = lowbit_pair_shift(w), cb = lowbit_code_bytes(w), A = lowbit_unit_head(w);
+    return tile + (gi >> s) * (A + (cb << s)) + A + (gi & s) * cb;
 }
 
 /* The groups of a tile in order, as the kernels walk them: the same addresses as lowbit_group_scales
  * and lowbit_group_codes without their multiplies (a unit's start moves on after its last group). */
 typedef struct {
     const uint8_t *unit;  /* the unit holding the current group */
-    int64_t ps, cb;       /* lowbit_pair_shift, lowbit_code_bytes */
+    int64_t ps, cb, A;    /* lowbit_pair_shift, lowbit_code_bytes, lowbit_unit_head */
 } lowbit_group_walk;
 
 static inline lowbit_group_walk lowbit_walk(const lowbit_linear *w, const uint8_t *tile) {
-    return (lowbit_group_walk){tile, lowbit_pair_shift(w), lowbit_code_bytes(w)};
+    return (lowbit_group_walk){tile, lowbit_pair_shift(w), lowbit_code_bytes(w), lowbit_unit_head(w)};
 }
 static inline const uint8_t *lowbit_walk_scales(const lowbit_group_walk *k, int64_t gi) {
     return k->unit + (gi & k->ps) * 32;
 }
 static inline const uint8_t *lowbit_walk_codes(const lowbit_group_walk *k, int64_t gi) {
-    return k->unit + 64 + (gi & k->ps) * k->cb;
+    return k->unit + k->A + (gi & k->ps) * k->cb;
 }
 static inline void lowbit_walk_next(lowbit_group_walk *k, int64_t gi) {  /* after group gi */
-    k->unit += (gi & k->ps) == k->ps ? 64 + (k->cb << k->ps) : 0;
+    k->unit += (gi & k->ps) == k->ps ? k->A + (k->cb << k->ps) : 0;
 }
 
 /* Activations as the integer kernels read them (kernels/act_quant.py is the spec): per row, per
@@ -103,6 +132,9 @@ typedef struct {
     float sS;   /* s * (float)S: the int4 min term's factor */
     int32_t S8;    /* 8 S, S the sum of the block's codes: the term of symmetric int4's u - 8 */
     int32_t S128;  /* 128 S: the term of int8's stored q + 128 */
+    int32_t S16;   /* 16 S: Q5_0's u - 16 */
+    int32_t S32a, S32b;  /* 32 x the sums of the first and the last 16 codes: Q6_K's u - 32 per half */
+    int32_t pad;
 } lowbit_qblock;
 
 typedef struct {
@@ -148,6 +180,7 @@ void lowbit_quantize_block(const float *xb, const lowbit_qact *a, int64_t m, int
 void lowbit_quantize_rows(const float *x, int64_t sx, lowbit_qact *a);
 void lowbit_quantize_rows_serial(const float *x, int64_t sx, lowbit_qact *a);
 int lowbit_linear_check(const lowbit_linear *w, int64_t isa);
+int64_t lowbit_linear_rows(const lowbit_linear *w);  /* output rows of the weight and its `next`s */
 void lowbit_linear_team(const lowbit_ctx *c, const lowbit_linear *w, const lowbit_qact *a, float *y);
 int lowbit_linear_mm(const lowbit_ctx *c, const lowbit_linear *w, const float *x, int64_t M, float *y);
 
@@ -156,17 +189,28 @@ int lowbit_int4_dequant_t(const lowbit_linear *w, int64_t n0, int64_t n1, float 
 int lowbit_int8_dequant(const lowbit_linear *w, int64_t n0, int64_t n1, float *out, int nthreads);
 int lowbit_int8_rows(const lowbit_linear *w, const int64_t *ids, int64_t n, float *out);
 
+/* cpu_kq.c: kind-4 weights (GGML blocks in tiles): the check, the repack at load (of Q4_0, Q4_1, Q8_0 into
+ * kinds 1, 2 too), exact fp32 rows. */
+int lowbit_kq_check(const lowbit_linear *w);
+int lowbit_tiles_pack(int64_t t, const uint8_t *src, int fd, int64_t offset, const int64_t *perm, int64_t N,
+                      int64_t K, uint8_t *dst, int nthreads);
+int lowbit_kq_rows(const lowbit_linear *w, const int64_t *ids, int64_t n, float *out);
+int lowbit_kq_dequant(const lowbit_linear *w, int64_t n0, int64_t n1, float *out, int nthreads);
+
 /* cpu_ggml.c: kind-3 weights (GGML blocks): the check, the matmul as a team function, exact fp32 rows. */
 int lowbit_ggml_check(const lowbit_linear *w);
 void lowbit_ggml_team(const lowbit_linear *w, const lowbit_qact *a, float *y);
 int lowbit_ggml_dequant(const lowbit_linear *w, int64_t n0, int64_t n1, float *out, int nthreads);
 
-/* cpu_wq_tiles.c, one set per instruction set: output tiles [t0, t1) of y [M, N] for rows m0..m0+mc. */
+/* cpu_wq_tiles.c and cpu_kq_tiles.c, one set per instruction set: output tiles [t0, t1) of y for rows
+ * m0..m0+mc, y's rows w->N floats apart. */
 #define LOWBIT_TILES(isa)                                                                                 \
     void lowbit_int4_tiles_##isa(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc,   \
                                  int64_t t0, int64_t t1, float *y);                                       \
     void lowbit_int8_tiles_##isa(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc,   \
-                                 int64_t t0, int64_t t1, float *y);
+                                 int64_t t0, int64_t t1, float *y);                                       \
+    void lowbit_kq_tiles_##isa(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc,     \
+                               int64_t t0, int64_t t1, float *y);
 LOWBIT_TILES(avx2)
 LOWBIT_TILES(vnni256)
 LOWBIT_TILES(avx512)

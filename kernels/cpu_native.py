@@ -57,14 +57,17 @@ import torch
 
 from lowbit.kernels.kv_side import KVSide
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_wq_mm.c", "cpu_ggml.c", "cpu_block.c", "cpu_attention.c")]
-TILES = Path(__file__).with_name("cpu_wq_tiles.c")  # compiled once per instruction set (ISAS)
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_wq_mm.c", "cpu_kq.c", "cpu_ggml.c", "cpu_block.c",
+                                                 "cpu_attention.c")]
+# compiled once per instruction set (ISAS): the int4/int8 tiles and the GGML blocks in tiles
+TILES = [Path(__file__).with_name(n) for n in ("cpu_wq_tiles.c", "cpu_kq_tiles.c")]
 HEADER = Path(__file__).with_name("cpu_kernels.h")  # the structs and every export's prototype
+TILES_HEADER = Path(__file__).with_name("cpu_tiles.h")  # what the tile files share
 # x86-64-v3's vector sets for everything; the tile kernels add their own. No -march=native: a file
 # compiled for AVX2 must not pick up AVX-512 from the compiler, so the AVX2 kernels are the ones an
 # AVX2-only machine runs, and every variant gives the same bits (tests/test_cpu_native.py).
 # -Werror=missing-prototypes: every export needs its prototype in cpu_kernels.h, the one header.
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mtune=native", "-fopenmp", "-fPIC", "-std=c11",
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mbmi2", "-mtune=native", "-fopenmp", "-fPIC", "-std=c11",
           "-Werror=missing-prototypes"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 
@@ -81,7 +84,7 @@ class Isa:
 
 
 ISAS = (
-    Isa("avx2", 1, (("avx2", "fma", "f16c"),), ((),)),
+    Isa("avx2", 1, (("avx2", "fma", "f16c", "bmi2"),), ((),)),
     # VNNI on 256-bit vectors: AVX-VNNI (VEX) where the CPU has it, else AVX-512 VL's encoding of it
     Isa("vnni256", 2, (("avx_vnni",), ("avx512_vnni", "avx512vl", "avx512bw", "avx512f")),
         (("-mavxvnni",), tuple(_AVX512))),
@@ -90,10 +93,14 @@ ISAS = (
 
 
 class _Linear(ctypes.Structure):
-    """cpu_kernels.h's lowbit_linear: one weight in lowbit's packed CPU layout."""
-    _fields_ = [("kind", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("group", ctypes.c_int64),
-                ("P", ctypes.c_int64), ("data", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("split", ctypes.c_int64), ("P2", ctypes.c_int64), ("data2", ctypes.c_void_p)]
+    """cpu_kernels.h's lowbit_linear: one weight in lowbit's packed CPU layout; `next` the rows after its
+    own in another layout (kernels/segments.py)."""
+
+
+_Linear._fields_ = [("kind", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
+                    ("group", ctypes.c_int64), ("P", ctypes.c_int64), ("data", ctypes.c_void_p),
+                    ("bias", ctypes.c_void_p), ("split", ctypes.c_int64), ("P2", ctypes.c_int64),
+                    ("data2", ctypes.c_void_p), ("next", ctypes.POINTER(_Linear))]
 
 
 class _Ctx(ctypes.Structure):
@@ -117,7 +124,7 @@ class _KVSide(ctypes.Structure):
 
 # The structs that cross into C, by their names in cpu_kernels.h (`check_abi` compares each with C).
 ABI_STRUCTS = (("lowbit_linear", _Linear), ("lowbit_ctx", _Ctx), ("lowbit_block", _Block), ("lowbit_kv_side", _KVSide))
-ABI_VERSION = 2  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
+ABI_VERSION = 3  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
 
 
 class AbiMismatch(Exception):
@@ -148,10 +155,14 @@ class NativeKernels:
         self.ctx = _Ctx(number, 1)
         ctxp, lin = ctypes.POINTER(_Ctx), ctypes.POINTER(_Linear)
         lib.lowbit_linear_mm.argtypes = [ctxp, lin, ptr, i64, ptr]
+        lib.lowbit_linear_rows.argtypes, lib.lowbit_linear_rows.restype = [lin], i64
         lib.lowbit_int4_dequant_t.argtypes = [lin, i64, i64, ptr, ctypes.c_int]
         lib.lowbit_int8_dequant.argtypes = [lin, i64, i64, ptr, ctypes.c_int]
         lib.lowbit_int8_rows.argtypes = [lin, ptr, i64, ptr]
         lib.lowbit_ggml_dequant.argtypes = [lin, i64, i64, ptr, ctypes.c_int]
+        lib.lowbit_tiles_pack.argtypes = [i64, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr, ctypes.c_int]
+        lib.lowbit_kq_rows.argtypes = [lin, ptr, i64, ptr]
+        lib.lowbit_kq_dequant.argtypes = [lin, i64, i64, ptr, ctypes.c_int]
         lib.lowbit_add_rms_norm.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, f32, i64, i64, ptr]
         lib.lowbit_rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
         lib.lowbit_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr]
@@ -179,12 +190,13 @@ class NativeKernels:
 
     def linear_mm(self, x: torch.Tensor, desc: _Linear) -> torch.Tensor:
         """x fp32 [M, K] → y fp32 [M, N] = x @ W^T (+ bias), activations rounded per block of 32 to
-        16-bit codes (kernels/act_quant.py), integer dot products, fp32 epilogue."""
+        16-bit codes (kernels/act_quant.py), integer dot products, fp32 epilogue; N every row of the
+        descriptor's chain (kernels/segments.py)."""
         M = x.shape[0]
         if M < 1 or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != desc.K:
             raise ValueError(f"cpu native matmul: unsupported input {tuple(x.shape)} {x.dtype} for K={desc.K}")
         x = x.contiguous()
-        y = torch.empty(M, desc.N)
+        y = torch.empty(M, self.lib.lowbit_linear_rows(ctypes.byref(desc)))  # a chain's runs together
         rc = self.lib.lowbit_linear_mm(self._ctx(), ctypes.byref(desc), x.data_ptr(), M, y.data_ptr())
         if rc:
             raise ValueError(f"cpu native matmul refused kind={desc.kind} N={desc.N} K={desc.K} "
@@ -216,6 +228,49 @@ class NativeKernels:
         out = torch.empty(max(0, stop - start), desc.K)
         if self.lib.lowbit_ggml_dequant(ctypes.byref(desc), start, stop, out.data_ptr(), torch.get_num_threads()):
             raise ValueError(f"cpu ggml dequantize refused rows {start}:{stop} of N={desc.N} K={desc.K} type={desc.P}")
+        return out
+
+    def tiles_pack(self, qtype: int, rows, N: int, K: int, out: torch.Tensor) -> None:
+        """A GGML-block weight's N rows → lowbit's tiles in `out` (uint8 [ceil(N / 16), tile bytes]:
+        kernels/kq_mm.py for K-quant and 5-bit types, int4_mm.py / int8_mm.py for Q4_0, Q4_1, Q8_0), in
+        one C pass over the threads. rows: uint8 [N, row bytes] as GGUF stores them, or rows still in a
+        file (`path`, `offset` of the tensor's data, `perm` int64 [N] or None: output row n is the file's
+        row perm[n]), which the C code reads itself, so nothing but the tiles is held."""
+        if not (out.dtype == torch.uint8 and out.is_contiguous()):
+            raise ValueError("cpu tiles pack: a contiguous uint8 output expected")
+        if isinstance(rows, torch.Tensor):
+            if not (rows.dtype == torch.uint8 and rows.is_contiguous() and rows.shape[0] == N):
+                raise ValueError("cpu tiles pack: contiguous uint8 [N, row bytes] rows expected")
+            rc = self.lib.lowbit_tiles_pack(qtype, rows.data_ptr(), -1, 0, None, N, K, out.data_ptr(),
+                                            torch.get_num_threads())
+        else:
+            perm = rows.perm
+            if perm is not None and (perm.dtype != torch.int64 or not perm.is_contiguous() or perm.shape != (N,)):
+                raise ValueError("cpu tiles pack: an int64 [N] row order expected")
+            fd = os.open(rows.path, os.O_RDONLY)
+            try:
+                rc = self.lib.lowbit_tiles_pack(qtype, None, fd, rows.offset, None if perm is None else perm.data_ptr(),
+                                                N, K, out.data_ptr(), torch.get_num_threads())
+            finally:
+                os.close(fd)
+            if rc == -2:
+                raise OSError(f"{rows.path}: a read of tensor data failed or came back short")
+        if rc:
+            raise ValueError(f"cpu tiles pack refused GGML type {qtype} for {N}x{K}")
+
+    def kq_dequant(self, desc: _Linear, start: int, stop: int) -> torch.Tensor:
+        """A kind-4 weight's rows start..stop-1 → fp32 [n, K], bit for bit kernels/ggml_blocks.py's."""
+        out = torch.empty(max(0, stop - start), desc.K)
+        if self.lib.lowbit_kq_dequant(ctypes.byref(desc), start, stop, out.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"cpu kq dequantize refused rows {start}:{stop} of N={desc.N} type={desc.P}")
+        return out
+
+    def kq_rows(self, desc: _Linear, ids: torch.Tensor) -> torch.Tensor:
+        """A kind-4 weight's rows ids (int64 [n]) → fp32 [n, K]: the embedding lookup."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), desc.K)
+        if self.lib.lowbit_kq_rows(ctypes.byref(desc), ids.data_ptr(), ids.numel(), out.data_ptr()):
+            raise ValueError(f"cpu kq rows: an id outside 0..{desc.N - 1}")
         return out
 
     def int8_rows(self, desc: _Linear, ids: torch.Tensor) -> torch.Tensor:
@@ -492,13 +547,16 @@ def _build(cpu_flags: set[str] | None = None) -> Path:
         print("lowbit: building the C kernels for this CPU (once, a few seconds)", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build aside, then rename: concurrent builds are safe
         tmp = Path(tmp)
-        jobs = {isa.name: ([cc, *_FLAGS, *cflags, f"-DLB_ISA={isa.number}", "-c", str(TILES), "-o",
-                            str(tmp / f"tiles_{isa.name}.o")], isa.name == "avx2") for isa, cflags in wanted}
-        built = [name for name, ok in _compile_all(jobs).items() if ok]  # a compiler without -mavxvnni drops that one
+        jobs = {(isa.name, src.stem): ([cc, *_FLAGS, *cflags, f"-DLB_ISA={isa.number}", "-c", str(src), "-o",
+                                        str(tmp / f"{src.stem}_{isa.name}.o")], isa.name == "avx2")
+                for isa, cflags in wanted for src in TILES}
+        ok = _compile_all(jobs)
+        # a compiler without -mavxvnni drops that set (every tile file of it)
+        built = [isa.name for isa, _ in wanted if all(ok[(isa.name, src.stem)] for src in TILES)]
         have = [f"-DLB_HAVE_{n.upper()}=1" for n in built if n != "avx2"]
         so = tmp / out.name
         _run([cc, *_FLAGS, *have, "-shared", "-Wl,-Bsymbolic", *map(str, SOURCES),
-              *(str(tmp / f"tiles_{n}.o") for n in built), "-o", str(so), "-lm"])
+              *(str(tmp / f"{src.stem}_{n}.o") for n in built for src in TILES), "-o", str(so), "-lm"])
         os.replace(so, out)
     return out
 
@@ -506,13 +564,13 @@ def _build(cpu_flags: set[str] | None = None) -> Path:
 def _build_key(cc: str, flags: set[str], wanted: list[tuple[Isa, tuple[str, ...]]]) -> str:
     """The build's cache key: a hash of the sources and the header, the compiler's version, the
     compiler flags and the CPU's flags — any change to one of them builds a new library."""
-    src = b"".join(s.read_bytes() for s in (*SOURCES, TILES, HEADER))
+    src = b"".join(s.read_bytes() for s in (*SOURCES, *TILES, HEADER, TILES_HEADER))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     plan = " ".join(_FLAGS) + "|" + ";".join(f"{i.name}:{' '.join(f)}" for i, f in wanted)
     return hashlib.sha256(src + version.encode() + plan.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
 
 
-def _compile_all(jobs: dict[str, tuple[list[str], bool]]) -> dict[str, bool]:
+def _compile_all(jobs: dict) -> dict:
     """Run the compile commands side by side → which succeeded; a required one failing raises."""
     procs = {name: (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), required)
              for name, (cmd, required) in jobs.items()}

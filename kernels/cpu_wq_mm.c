@@ -27,7 +27,7 @@
 
 int lowbit_native_ok(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
 }
 
 /* Whether this build has `isa` and the CPU runs it (the build only compiles what the CPU has, but a
@@ -73,7 +73,7 @@ static const struct {
     ABI_STRUCT(lowbit_linear), ABI_FIELD(lowbit_linear, kind), ABI_FIELD(lowbit_linear, N),
     ABI_FIELD(lowbit_linear, K), ABI_FIELD(lowbit_linear, group), ABI_FIELD(lowbit_linear, P),
     ABI_FIELD(lowbit_linear, data), ABI_FIELD(lowbit_linear, bias), ABI_FIELD(lowbit_linear, split),
-    ABI_FIELD(lowbit_linear, P2), ABI_FIELD(lowbit_linear, data2),
+    ABI_FIELD(lowbit_linear, P2), ABI_FIELD(lowbit_linear, data2), ABI_FIELD(lowbit_linear, next),
     ABI_STRUCT(lowbit_ctx), ABI_FIELD(lowbit_ctx, isa), ABI_FIELD(lowbit_ctx, nthreads),
     ABI_STRUCT(lowbit_block), ABI_FIELD(lowbit_block, dim), ABI_FIELD(lowbit_block, n_heads),
     ABI_FIELD(lowbit_block, n_kv_heads), ABI_FIELD(lowbit_block, head_dim), ABI_FIELD(lowbit_block, hidden),
@@ -116,6 +116,13 @@ static inline __m128i pack_hl(__m256i h, __m256i l) {
     return _mm_packs_epi16(_mm256_castsi256_si128(hl), _mm256_extracti128_si256(hl, 1));
 }
 
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return _mm_cvtsi128_si32(s4);
+}
+
 /* One block of 32 values of row m → its codes, planes and scalars (kernels/act_quant.py: amax,
  * s = amax / 32512, q = round-half-even(x * (32512 / amax)), both fp32 divisions; amax = 0: all zero). */
 void lowbit_quantize_block(const float *xb, const lowbit_qact *a, int64_t m, int64_t b) {
@@ -131,23 +138,21 @@ void lowbit_quantize_block(const float *xb, const lowbit_qact *a, int64_t m, int
     const float amax = _mm_cvtss_f32(m4);
     const float inv = amax > 0.0f ? 32512.0f / amax : 0.0f;
     const __m256 vinv = _mm256_set1_ps(inv);
-    __m256i sum = _mm256_setzero_si256();
+    __m256i sum = _mm256_setzero_si256(), first = sum;
     const int64_t o = m * a->K + b * LOWBIT_BLOCK;
     for (int i = 0; i < 4; i++) {
         const __m256i q = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv)), qmin), qmax);
         sum = _mm256_add_epi32(sum, q);
+        if (i == 1) first = sum;  /* the first 16 codes' */
         const __m256i h = _mm256_srai_epi32(_mm256_add_epi32(q, half), 8);
         const __m256i l = _mm256_sub_epi32(q, _mm256_slli_epi32(h, 8));
         _mm_storeu_si128((__m128i *)(a->hl + 2 * (o + 8 * i)), pack_hl(h, l));
         const __m256i q16 = _mm256_packs_epi32(q, q);  /* per lane: q0-3 q0-3 | q4-7 q4-7 */
         _mm_storeu_si128((__m128i *)(a->q + o + 8 * i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(q16, 0x08)));
     }
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    const int32_t S = _mm_cvtsi128_si32(s4);
+    const int32_t S = hsum_epi32(sum), S0 = hsum_epi32(first);
     const float s = amax / 32512.0f;
-    a->blk[m * a->nb + b] = (lowbit_qblock){s, s * (float)S, 8 * S, 128 * S};
+    a->blk[m * a->nb + b] = (lowbit_qblock){s, s * (float)S, 8 * S, 128 * S, 16 * S, 32 * S0, 32 * (S - S0), 0};
 }
 
 static void quantize_row(const float *x, const lowbit_qact *a, int64_t m) {
@@ -167,46 +172,84 @@ void lowbit_quantize_rows_serial(const float *x, int64_t sx, lowbit_qact *a) {
 
 /* ---- the matmul ---- */
 
-int lowbit_linear_check(const lowbit_linear *w, int64_t isa) {
-    if (w->kind == 3) return lowbit_isa_available(isa) ? lowbit_ggml_check(w) : -1;  /* cpu_ggml.c */
-    if (!lowbit_isa_available(isa) || !w->data || w->N % LOWBIT_TILE || w->group < LOWBIT_BLOCK ||
-        w->group % LOWBIT_BLOCK || w->K % w->group)
+/* One layout's check (a segment of a chain, or the whole weight). */
+static int check_one(const lowbit_linear *w) {
+    if (w->kind == 4) return lowbit_kq_check(w);  /* cpu_kq.c */
+    if (!w->data || w->N % LOWBIT_TILE || w->group < LOWBIT_BLOCK || w->group % LOWBIT_BLOCK || w->K % w->group)
         return -1;
     if (w->kind == 1) return w->P == 1 || w->P == 2 ? 0 : -1;
     if (w->kind == 2) return w->P == 2 || w->P == 4 ? 0 : -1;
     return -1;
 }
 
-static void tiles(int64_t isa, const lowbit_linear *w, const lowbit_qact *a, int64_t t0, int64_t t1, float *y) {
-    switch (isa * 2 + (w->kind == 2)) {
+int lowbit_linear_check(const lowbit_linear *w, int64_t isa) {
+    if (!lowbit_isa_available(isa)) return -1;
+    if (w->kind == 3) return w->next ? -1 : lowbit_ggml_check(w);  /* cpu_ggml.c */
+    int64_t segments = 0;
+    for (const lowbit_linear *s = w; s; s = s->next)
+        if (++segments > 4 || s->kind == 3 || s->K != w->K || check_one(s)) return -1;
+    return 0;
+}
+
+int64_t lowbit_linear_rows(const lowbit_linear *w) {
+    int64_t n = 0;
+    for (const lowbit_linear *s = w; s; s = s->next) n += s->N;
+    return n;
+}
+
+/* Tiles [t0, t1) of one layout (its N: y's row length) for rows m0..m0+mc, in the instruction set's kernels. */
+static void tiles(int64_t isa, const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, int64_t t0,
+                  int64_t t1, float *y) {
+    switch (isa * 4 + w->kind - 1) {
 #if LB_HAVE_AVX512
-        case 2 * LOWBIT_ISA_AVX512: lowbit_int4_tiles_avx512(w, a, 0, a->M, t0, t1, y); return;
-        case 2 * LOWBIT_ISA_AVX512 + 1: lowbit_int8_tiles_avx512(w, a, 0, a->M, t0, t1, y); return;
+        case 4 * LOWBIT_ISA_AVX512: lowbit_int4_tiles_avx512(w, a, m0, mc, t0, t1, y); return;
+        case 4 * LOWBIT_ISA_AVX512 + 1: lowbit_int8_tiles_avx512(w, a, m0, mc, t0, t1, y); return;
+        case 4 * LOWBIT_ISA_AVX512 + 3: lowbit_kq_tiles_avx512(w, a, m0, mc, t0, t1, y); return;
 #endif
 #if LB_HAVE_VNNI256
-        case 2 * LOWBIT_ISA_VNNI256: lowbit_int4_tiles_vnni256(w, a, 0, a->M, t0, t1, y); return;
-        case 2 * LOWBIT_ISA_VNNI256 + 1: lowbit_int8_tiles_vnni256(w, a, 0, a->M, t0, t1, y); return;
+        case 4 * LOWBIT_ISA_VNNI256: lowbit_int4_tiles_vnni256(w, a, m0, mc, t0, t1, y); return;
+        case 4 * LOWBIT_ISA_VNNI256 + 1: lowbit_int8_tiles_vnni256(w, a, m0, mc, t0, t1, y); return;
+        case 4 * LOWBIT_ISA_VNNI256 + 3: lowbit_kq_tiles_vnni256(w, a, m0, mc, t0, t1, y); return;
 #endif
-        case 2 * LOWBIT_ISA_AVX2 + 1: lowbit_int8_tiles_avx2(w, a, 0, a->M, t0, t1, y); return;
-        default: lowbit_int4_tiles_avx2(w, a, 0, a->M, t0, t1, y); return;
+        case 4 * LOWBIT_ISA_AVX2 + 1: lowbit_int8_tiles_avx2(w, a, m0, mc, t0, t1, y); return;
+        case 4 * LOWBIT_ISA_AVX2 + 3: lowbit_kq_tiles_avx2(w, a, m0, mc, t0, t1, y); return;
+        default: lowbit_int4_tiles_avx2(w, a, m0, mc, t0, t1, y); return;
     }
 }
 
-/* y [M, N] = a @ W^T (+ bias), a already quantized. A team function: thread i of n takes tiles
- * [T i / n, T (i + 1) / n), all rows, then adds the bias to what it wrote. */
+/* Rows per block of a call's activation rows: a block's codes (2 K bytes a row) take at most ~256 KB,
+ * so they stay in L2 while every tile of the thread's range passes over them (a weight tile, a few
+ * KB to ~100 KB, is read from memory once per block). */
+static int64_t row_block(int64_t K) {
+    const int64_t rb = (256 << 10) / (2 * K);
+    return rb < 16 ? 16 : rb;
+}
+
+/* y [M, N] = a @ W^T (+ bias), a already quantized, N all the chain's rows. A team function: thread i
+ * of n takes the chain's tiles [T i / n, T (i + 1) / n), all rows (a block of them at a time), then
+ * adds the bias to what it wrote. A row's result does not depend on the blocks: each is the same
+ * per-row arithmetic. */
 void lowbit_linear_team(const lowbit_ctx *c, const lowbit_linear *w, const lowbit_qact *a, float *y) {
     if (w->kind == 3) {  /* GGML blocks: split by rows (cpu_ggml.c), AVX2 whatever c->isa says */
         lowbit_ggml_team(w, a, y);
         return;
     }
-    const int64_t T = w->N / LOWBIT_TILE, n = omp_get_num_threads(), i = omp_get_thread_num();
-    const int64_t t0 = T * i / n, t1 = T * (i + 1) / n;
-    if (t1 > t0) {
-        tiles(c->isa, w, a, t0, t1, y);
-        if (w->bias)
-            for (int64_t m = 0; m < a->M; m++)
-                for (int64_t r = t0 * LOWBIT_TILE; r < t1 * LOWBIT_TILE; r++) y[m * w->N + r] += w->bias[r];
+    const int64_t ldy = lowbit_linear_rows(w), T = ldy / LOWBIT_TILE, n = omp_get_num_threads(), i = omp_get_thread_num();
+    const int64_t t0 = T * i / n, t1 = T * (i + 1) / n, rb = row_block(w->K);
+    for (int64_t m0 = 0; m0 < a->M && t1 > t0; m0 += rb) {
+        const int64_t mc = a->M - m0 < rb ? a->M - m0 : rb;
+        int64_t first = 0;  /* the segment's first tile in the chain */
+        for (const lowbit_linear *s = w; s; first += s->N / LOWBIT_TILE, s = s->next) {
+            const int64_t s0 = t0 > first ? t0 - first : 0, s1 = t1 - first < s->N / LOWBIT_TILE ? t1 - first : s->N / LOWBIT_TILE;
+            if (s1 <= s0) continue;
+            lowbit_linear seg = *s;
+            seg.N = ldy;  /* y's row length, which the kernels index rows by */
+            tiles(c->isa, &seg, a, m0, mc, s0, s1, y + first * LOWBIT_TILE);
+        }
     }
+    if (t1 > t0 && w->bias)
+        for (int64_t m = 0; m < a->M; m++)
+            for (int64_t r = t0 * LOWBIT_TILE; r < t1 * LOWBIT_TILE; r++) y[m * ldy + r] += w->bias[r];
 #pragma omp barrier
 }
 

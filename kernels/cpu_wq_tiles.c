@@ -28,73 +28,10 @@
  * hold 4 rows' integer sums and the codes, not their fp32 sums as well (llvm-mca counted 64 spill
  * moves per block of 4 rows when they did).
  */
-#include <immintrin.h>
-#include <string.h>
-
-#include "cpu_kernels.h"
-
-#if LB_ISA == 1
-#define NAME(f) f##_avx2
-#elif LB_ISA == 2
-#define NAME(f) f##_vnni256
-#if defined(__AVXVNNI__)
-#define DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
-#else
-#define DPBUSD256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-#endif
-#elif LB_ISA == 3
-#define NAME(f) f##_avx512
-#else
-#error "compile with -DLB_ISA=1, 2 or 3"
-#endif
-#define RMAX 4  /* rows of x per pass */
-
-static inline int32_t load32(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-static inline int64_t load64(const void *p) {
-    int64_t v;
-    memcpy(&v, p, 8);
-    return v;
-}
-
-/* Integer adds are associative, so GCC regroups a pass's chains of them: it forms every product of the
- * block first and spills them (llvm-mca: 63 spill moves per block of 4 rows). Passing an accumulator
- * through an empty asm after each step keeps the sums in order and the products in registers. */
-#define KEEP(v) __asm__("" : "+v"(v))  /* any vector register: all 32 with AVX-512 */
-
-/* Rows m0..m0+mc in passes of at most RMAX, each pass a compile-time R. */
-#define ROW_PASSES(F, m0, mc, ...)                                            \
-    for (int64_t r0 = (m0); r0 < (m0) + (mc); r0 += RMAX) {                   \
-        const int64_t rc = (m0) + (mc) - r0 < RMAX ? (m0) + (mc) - r0 : RMAX; \
-        if (rc == 4) F(4, r0, __VA_ARGS__);                                   \
-        else if (rc == 3) F(3, r0, __VA_ARGS__);                              \
-        else if (rc == 2) F(2, r0, __VA_ARGS__);                              \
-        else F(1, r0, __VA_ARGS__);                                           \
-    }
-
-/* The activation words one row's pass reads: hl of block b, 8 k group j (int4) or 4 k group j (int8). */
-#define HL(a, row, b, j, kper) ((a)->hl + 2 * ((row) * (a)->K + (b) * 32 + (kper) * (j)))
+#include "cpu_tiles.h"
 
 #if LB_ISA == 3
 /* ---- 512 bits: 16 rows of a tile per vector, fp32 sums in registers ---- */
-
-/* acc += u . (the 4 bytes at p, broadcast): vpdpbusd with its memory operand broadcast ({1to16}),
- * one instruction where GCC emits a vpbroadcastd and a vpdpbusd (measured in one process, A/B
- * alternated: +5% GB/s at one row on the 1.7B-shape model's weights, +7% at 16 rows). */
-#if defined(__GNUC__) && !defined(__clang__)
-static inline __m512i dpbusd_b(__m512i acc, __m512i u, const void *p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
-    return acc;
-}
-#else
-static inline __m512i dpbusd_b(__m512i acc, __m512i u, const void *p) {
-    return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(load32(p)));
-}
-#endif
 
 static inline __attribute__((always_inline)) void int4_pass(const int R, int64_t m0, const lowbit_linear *w,
                                                             const lowbit_qact *a, const uint8_t *tile, int64_t n0,
@@ -195,23 +132,6 @@ TILES_ENTRY(int8)
  * with H = 1), their sums in the 16 registers (both halves at once measured 12-20% slower at 4 and 16
  * rows). */
 
-/* acc + the products of u8 codes and s8 activations, 4 by 4 (int16 pair sums on AVX2, int32 with VNNI). */
-#if LB_ISA == 1
-#define MADD4(acc, u, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, x))
-#else
-#define MADD4(acc, u, x) DPBUSD256(acc, u, x)
-#endif
-
-/* A block's integer sum T = 256 sum(u h) + sum(u l) of 8 rows from the planes' accumulators. */
-static inline __m256i planes_sum(__m256i th, __m256i tl) {
-#if LB_ISA == 1
-    const __m256i ones = _mm256_set1_epi16(1);
-    return _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(th, ones), 8), _mm256_madd_epi16(tl, ones));
-#else
-    return _mm256_add_epi32(_mm256_slli_epi32(th, 8), tl);
-#endif
-}
-
 /* The int4 epilogue (the file's comment) for 8 rows: y[0..8) += T's block. */
 static inline void int4_epilogue(float *yo, __m256i T, __m256 d, __m256 mn, int64_t P, lowbit_qblock q) {
     if (P == 1) T = _mm256_sub_epi32(T, _mm256_set1_epi32(q.S8));
@@ -231,13 +151,6 @@ static inline void int8_epilogue(float *yo, __m256i Tu, __m256 d, lowbit_qblock 
  * rows 4-7 alike (tb) — pair sums, then rows in order (AVX2's int8 path). */
 static inline __m256i pairs_sum(__m256i ta, __m256i tb) {
     return _mm256_permute4x64_epi64(_mm256_hadd_epi32(ta, tb), 0xD8);
-}
-
-/* The R rows x H halves of y a pass sums into (rows N floats apart), set to 0 → yr. */
-static inline float *zeroed_rows(float *yr, const int R, const int H, int64_t N) {
-    for (int r = 0; r < R; r++)
-        for (int h = 0; h < H; h++) _mm256_storeu_ps(yr + r * N + 8 * h, _mm256_setzero_ps());
-    return yr;
 }
 
 static inline __attribute__((always_inline)) void int4_full(const int R, const int H, int64_t m0,

@@ -81,6 +81,6 @@ def ggml_mm(x: torch.Tensor, w: GgmlPacked, exact: bool | None = None) -> torch.
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"ggml_mm: input {tuple(x.shape)} for K={w.in_features}")
     x = x.float()
-    if w.native is None or takes_exact(exact, x.shape[0]) or x.shape[0] == 0:
+    if w.native is None or takes_exact(exact) or x.shape[0] == 0:
         return in_tiles(w.out_features, w.in_features, lambda a, b: exact_linear(x, w.dequantize_rows(a, b)))
     return w.native.linear_mm(x, w.c_desc())

@@ -139,7 +139,7 @@ def int4_mm(x: torch.Tensor, w: Int4Packed, exact: bool | None = None) -> torch.
     rows, kernels/exact_mm.py) or when w has no C kernels, else the C kernel's integer path."""
     Np, Kp = w.padded_shape
     x = padded_input("int4_mm", x, w.in_features, Kp)
-    if w.native is None or takes_exact(exact, x.shape[0]) or x.shape[0] == 0:
+    if w.native is None or takes_exact(exact) or x.shape[0] == 0:
         y = in_tiles(Np, Kp, lambda a, b: exact_mm(x, dequantize_packed_t(w, slice(a, b))))
     else:
         y = w.native.linear_mm(x, w.c_desc())

@@ -110,7 +110,7 @@ def int8_mm(x: torch.Tensor, w: Int8Packed, exact: bool | None = None) -> torch.
     kernels/exact_mm.py) or when w has no C kernels, else the C kernel's integer path."""
     Np, Kp = w.padded_shape
     x = padded_input("int8_mm", x, w.in_features, Kp)
-    if w.native is None or takes_exact(exact, x.shape[0]) or x.shape[0] == 0:
+    if w.native is None or takes_exact(exact) or x.shape[0] == 0:
         return in_tiles(w.out_features, Kp, lambda a, b: exact_linear(x, w.dequantize(slice(a, b))))
     y = w.native.linear_mm(x, w.c_desc())
     return y[:, : w.out_features] if Np != w.out_features else y

@@ -47,9 +47,10 @@ class Backend:
     # lowbit's C kernels (kernels/cpu_native.py) where this backend runs them: paged attention and the
     # KV write, besides what the callables above already hold; None on CUDA and where they do not build
     native: object | None = None
-    # the fast kernels round differently from the exact path (CPU: 16-bit activation codes), so the
-    # engine runs prompt tokens exactly and generated ones fast, never by a step's row count
-    exact_prompts: bool = False
+    # whether one step may run some rows on the exact path and the rest on the fast kernels (CPU: both
+    # take fp32 activations, so a verified-greedy request's exact rows share a step with other
+    # requests' fast ones); CUDA runs a step with any exact row exactly throughout
+    per_row_exact: bool = False
 
 
 def torch_backend(native="auto") -> Backend:

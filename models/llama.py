@@ -39,10 +39,13 @@ class Projections(nn.Module):
     def __init__(self, weights, biases, backend: Backend):
         super().__init__()
         self.sizes = [w.shape[0] for w in weights]
-        fused = fuse_rows(weights)
-        if fused is not None:
-            bias = None if all(b is None for b in biases) else torch.cat(
-                [b if b is not None else torch.zeros(n) for b, n in zip(biases, self.sizes)])
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(n) for b, n in zip(biases, self.sizes)])
+        packed = backend.linear.pack_rows(weights)  # each packed straight into the stack (CPU tiles)
+        fused = fuse_rows(weights) if packed is None else None
+        if packed is not None:
+            self.parts = nn.ModuleList([QuantLinear(packed, backend.linear, bias, weights[0].spec.name, packed=True)])
+        elif fused is not None:
             self.parts = nn.ModuleList([QuantLinear(fused, backend.linear, bias)])
         else:
             self.parts = nn.ModuleList([QuantLinear(w, backend.linear, b) for w, b in zip(weights, biases)])
@@ -125,15 +128,19 @@ class Llama(nn.Module):
         self.kv_heads = local.n_kv_heads  # KV heads this process caches
         # the token ids [v0, v1) whose embedding rows (and logits) this process holds
         self.vocab_range = (0, config.vocab_size) if tp is None else tp.shard.vocab_range(config.vocab_size)
-        self.embed = QuantEmbedding(weights["embed"], backend.linear)
-        self.layers = nn.ModuleList(Block(local, weights, f"layers.{i}.", backend, tp) for i in range(config.n_layers))
-        self.register_buffer("norm", weights["norm"].float().to(backend.device), persistent=False)
+        # Each weight is read once and dropped once packed: a loader's weights may be read from the file on
+        # each access (runtime/load/gguf.py LazyWeights), and a load should hold one layer in transit.
+        embed = weights["embed"]
+        self.embed = QuantEmbedding(embed, backend.linear)
         if "output" in weights:
             self.output = QuantLinear(weights["output"], backend.linear)
         elif backend.linear.shares_head(self.embed.w):
-            self.output = QuantLinear(self.embed.w, backend.linear, spec_name=weights["embed"].spec.name, packed=True)
+            self.output = QuantLinear(self.embed.w, backend.linear, spec_name=embed.spec.name, packed=True)
         else:  # tied, but the table's lookup form has no matmul kernel here: a packed copy
-            self.output = QuantLinear(weights["embed"], backend.linear)
+            self.output = QuantLinear(embed, backend.linear)
+        del embed
+        self.layers = nn.ModuleList(Block(local, weights, f"layers.{i}.", backend, tp) for i in range(config.n_layers))
+        self.register_buffer("norm", weights["norm"].float().to(backend.device), persistent=False)
         self.register_buffer("inv_freq", inv_frequencies(config, weights.get("rope_freqs")).to(backend.device),
                              persistent=False)
         # every block fused (CPU, C kernels): a step whose rows are all single-token queries runs all of

@@ -26,13 +26,14 @@ from gguf import quants
 from lowbit.quant import Weight, quantize_weight
 from lowbit.kernels.ggml_blocks import BLOCKS
 from lowbit.quant.dense import FloatWeight
-from lowbit.quant.ggml_block import block_spec, from_file
+from lowbit.quant.ggml_block import FileBlocks, block_spec, from_file
 from lowbit.quant.int4 import Int4Weight, pack_nibbles
 from lowbit.quant.int8 import Int8Weight
 from lowbit.quant.spec import WeightSpec, parse_weights
 
 RELAYOUT = MappingProxyType({T.Q4_0: parse_weights("int4-sym-g32"), T.Q4_1: parse_weights("int4-g32"),
                              T.Q8_0: parse_weights("int8-g32")})
+RELAID = MappingProxyType({int(t): t for t in RELAYOUT})  # the same by GGML type number
 # held as the file stores them (BLOCKS also has Q4_0/Q4_1/Q8_0, for fused rows: quant/ggml_block.py as_blocks)
 KEPT = MappingProxyType({T(q): block_spec(q) for q in BLOCKS if T(q) not in RELAYOUT})
 LOSSLESS = MappingProxyType({**RELAYOUT, **KEPT})
@@ -88,6 +89,51 @@ def relayout(raw: np.ndarray, qtype: T, N: int, K: int) -> Weight:
     codes = np.concatenate((qs & 0xF, qs >> 4), axis=-1).reshape(N, K)  # [N, K] in element order
     mins = torch.from_numpy(np.array(b[..., 2:4], copy=True).view(np.float16)[..., 0]) if qtype == T.Q4_1 else None
     return Int4Weight(spec, K, pack_nibbles(torch.from_numpy(codes)), d, mins)
+
+
+class FileRelaid:
+    """A Q4_0 / Q4_1 / Q8_0 weight (an Int4Weight or Int8Weight, `relayout`'s) whose rows are still in
+    their file (`source`: the loader's, with `N`, `path`, `offset`, `perm` and `read()`, as
+    quant/ggml_block.py FileBlocks'). The CPU's tiles are packed straight from the file by C
+    (quant/linear.py); anything that asks for the codes or scales reads and relays them once."""
+
+    def __init__(self, spec: WeightSpec, in_features: int, qtype: int, source):
+        self.spec, self.in_features, self.qtype, self.source, self._w = spec, in_features, qtype, source, None
+
+    def _relaid(self) -> Weight:
+        if self._w is None:
+            self._w = relayout(self.source.read().numpy(), T(self.qtype), self.source.N, self.in_features)
+        return self._w
+
+    qweight = property(lambda self: self._relaid().qweight)
+    scales = property(lambda self: self._relaid().scales)
+    shape = property(lambda self: (self.source.N, self.in_features))
+
+    @property
+    def unread(self) -> bool:
+        """Whether nothing has read the rows into memory yet (so packing them should read the file)."""
+        return self._w is None
+
+    def rows(self, index: torch.Tensor):
+        return type(self)(self.spec, self.in_features, self.qtype, self.source.with_rows(index))
+
+
+class FileInt4(FileRelaid, Int4Weight):
+    mins = property(lambda self: None if self.qtype == T.Q4_0 else self._relaid().mins)
+
+
+class FileInt8(FileRelaid, Int8Weight):
+    pass
+
+
+def from_file_lazily(qtype: T, N: int, K: int, source) -> Weight:
+    """`auto`'s weight for a tensor whose rows stay in the file until something packs or reads them: the
+    file's blocks (FileBlocks) or, for Q4_0 / Q4_1 / Q8_0, their int4 / int8 layout (FileInt4, FileInt8)."""
+    if qtype in KEPT:
+        return FileBlocks(KEPT[qtype], K, source)
+    if qtype in RELAYOUT and K % 32 == 0:
+        return (FileInt8 if qtype == T.Q8_0 else FileInt4)(RELAYOUT[qtype], K, int(qtype), source)
+    raise ValueError(f"tensor type {qtype.name} has no lossless layout kept in the file")
 
 
 def load_matrix(raw: np.ndarray, qtype: T, N: int, K: int, target: WeightSpec | None) -> Weight:

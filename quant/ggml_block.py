@@ -72,10 +72,43 @@ class GgmlWeight:
         return GgmlWeight(self.spec, self.in_features, self.data[index].contiguous())
 
 
+class FileBlocks(GgmlWeight):
+    """A GGML-block weight whose rows are still in their file (`source`: the loader's, with `path`,
+    `offset` of the tensor's data, `perm` int64 [N] or None — output row n is the file's row perm[n] —
+    and `read()` → uint8 [N, row bytes]). The CPU's tiles are packed straight from the file by C
+    (quant/linear.py), so an 8B load holds its tiles and no copy of the file; anything else that asks
+    for `data` reads it once into memory of its own."""
+
+    def __init__(self, spec: WeightSpec, in_features: int, source):
+        self.spec, self.in_features, self.source = spec, in_features, source
+        self.data2, self.spec2, self._data = None, None, None
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self._data is None:
+            self._data = self.source.read()
+        return self._data
+
+    @property
+    def unread(self) -> bool:
+        """Whether nothing has read the rows into memory yet (so packing them should read the file)."""
+        return self._data is None
+
+    @property
+    def split(self) -> int:
+        return self.source.N
+
+    def rows(self, index: torch.Tensor) -> "FileBlocks":
+        return FileBlocks(self.spec, self.in_features, self.source.with_rows(index))
+
+
 def from_file(raw: np.ndarray, qtype: int, N: int, K: int) -> GgmlWeight:
-    """The tensor's bytes as they are in the file ([N, row_bytes]) → GgmlWeight. np.array(copy=True):
-    what is kept must own its bytes, never alias the read-only file map."""
-    b = np.array(np.ascontiguousarray(raw).view(np.uint8).reshape(N, row_bytes(qtype, K)), copy=True)
+    """The tensor's bytes as they are in the file ([N, row_bytes]) → GgmlWeight. What is kept must own its
+    bytes, never alias the read-only file map: a read-only array (a memmap) is copied, one read into
+    memory of its own (runtime/load/gguf_file.py GGUFFile.read) is taken as it is."""
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(N, row_bytes(qtype, K))
+    if not b.flags.writeable:
+        b = b.copy()
     return GgmlWeight(block_spec(qtype), K, torch.from_numpy(b))
 
 

@@ -18,6 +18,7 @@ from functools import partial
 from typing import Callable
 
 import torch
+from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from lowbit.kernels.exact_mm import exact_linear, takes_exact
@@ -25,9 +26,13 @@ from lowbit.kernels.ggml_mm import GgmlPacked, ggml_mm, ggml_pack
 from lowbit.kernels.ggml_triton import GgmlTritonPacked, ggml_triton_mm, ggml_triton_pack, ggml_triton_rows
 from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack, int4_packed_rows
 from lowbit.kernels.int8_mm import Int8Packed, int8_mm, int8_pack
+from lowbit.kernels.kq_mm import KQ_TYPES, KqPacked, kq_mm, kq_pack, tiles_pack_rows
+from lowbit.kernels.segments import Segments
+from lowbit.kernels.tile_layout import TILE, tile_bytes
 from lowbit.kernels.wq_mm import wq_mm, wq_pack_int4, wq_pack_int8, wq_rows
 from lowbit.quant import BnbWeight, FloatWeight, Int4Weight, Int8Weight, Weight
-from lowbit.quant.ggml_block import GgmlWeight, concat_rows
+from lowbit.quant.ggml import RELAID, FileRelaid
+from lowbit.quant.ggml_block import FileBlocks, GgmlWeight, as_blocks, concat_rows
 from lowbit.quant.gptq import PermutedWeight
 
 
@@ -38,16 +43,20 @@ class LinearKernels:
     pack(weight) → the packed form; matmul(x [M, K], packed, exact, out_dtype) → y [M, N] in
     out_dtype (None: x's dtype);
     pack_embedding / rows: the embedding table's form and fp32 rows of it; shares_head(packed):
-    whether the tied LM head can multiply by the embedding's packed form directly."""
+    whether the tied LM head can multiply by the embedding's packed form directly; pack_rows(weights):
+    weights reading one input packed as one, their rows stacked, or None (then `fuse_rows` and `pack`)."""
 
     pack: Callable
     matmul: Callable
     pack_embedding: Callable
     rows: Callable
     shares_head: Callable
+    pack_rows: Callable = lambda weights: None
 
 
 def _cpu_pack(weight: Weight, native):
+    if isinstance(weight, FileRelaid) and weight.unread and native is not None:  # straight from the file
+        return _cpu_pack_rows([weight], native)
     if isinstance(weight, Int4Weight):
         return int4_pack(weight.codes(), weight.scales, weight.mins, weight.spec.group_size, weight.in_features,
                          native=native)
@@ -58,8 +67,70 @@ def _cpu_pack(weight: Weight, native):
     return weight
 
 
-def _ggml_pack(weight: GgmlWeight, native) -> GgmlPacked:
+def _ggml_pack(weight: GgmlWeight, native):
+    """GGML blocks → lowbit's tiles where the C kernels are there and take every run (kernels/kq_mm.py;
+    Q4_0/Q4_1/Q8_0 runs as int4/int8 tiles), else the file's blocks as they are (kernels/ggml_mm.py)."""
+    tiled = _cpu_pack_rows([weight], native)
+    if tiled is not None:
+        return tiled
     return ggml_pack(weight.data, weight.qtype, weight.in_features, weight.data2, weight.qtype2, native=native)
+
+
+def _rows_of(w) -> list[tuple[int, object]] | None:
+    """A weight's runs of GGML rows as (type, rows): rows still in the file (their `source`) where nothing
+    has read them, else uint8 [n, row bytes] in memory; None for a layout that is not GGML blocks."""
+    if isinstance(w, (FileBlocks, FileRelaid)) and w.unread:
+        return [(w.qtype, w.source)]
+    if isinstance(w, (Int4Weight, Int8Weight)):
+        w = as_blocks(w)  # Q4_0 / Q4_1 / Q8_0 values as their blocks again (None for other layouts)
+    if not isinstance(w, GgmlWeight):
+        return None
+    return [(w.qtype, w.data)] + ([(w.qtype2, w.data2)] if w.data2 is not None else [])
+
+
+def _cpu_pack_rows(weights: list, native):
+    """Weights that read one input (QKV, gate+up; or one weight alone) of GGML types → their rows stacked
+    in tiles (kernels/kq_mm.py, int4_mm.py, int8_mm.py), each run packed straight from its own bytes by
+    C — from the file where nothing has read them — with no stacked copy first; several types: Segments
+    (kernels/segments.py). None where the C kernels are not there, a layout is not GGML blocks, a type
+    has no tiles (Q2_K, Q3_K, IQ4_*) or a run before the last is not whole 16-row tiles."""
+    if native is None or any(w.in_features != weights[0].in_features for w in weights):
+        return None
+    items = [_rows_of(w) for w in weights]
+    if any(i is None for i in items):
+        return None
+    K, runs = weights[0].in_features, []  # [(type, [rows, ...])], consecutive rows of one type together
+    for qtype, rows in (x for item in items for x in item):
+        if runs and runs[-1][0] == qtype:
+            runs[-1][1].append(rows)
+        else:
+            runs.append((qtype, [rows]))
+    parts, matmuls = [], []
+    for i, (qtype, rows) in enumerate(runs):
+        sizes = [r.shape[0] if isinstance(r, torch.Tensor) else r.N for r in rows]
+        if (i < len(runs) - 1 and sum(sizes) % TILE) or any(n % TILE for n in sizes[:-1]) or len(runs) > 4:
+            return None
+        if qtype in KQ_TYPES and K % KQ_TYPES[qtype][0] == 0:
+            parts.append(kq_pack(rows, qtype, K, native=native))
+            matmuls.append(kq_mm)
+        elif qtype in RELAID and K % 32 == 0:
+            parts.append(_relaid_tiles(rows, qtype, K, native))
+            matmuls.append(int8_mm if qtype == T.Q8_0 else int4_mm)
+        else:
+            return None
+    return parts[0] if len(parts) == 1 else Segments(parts, matmuls, native)
+
+
+def _relaid_tiles(rows: list, qtype: int, K: int, native):
+    """Q4_0 / Q4_1 / Q8_0 rows → the int4 / int8 tiles their Int4Weight / Int8Weight would pack into
+    (kernels/int4_mm.py int4_pack, int8_mm.py int8_pack), byte for byte, by the C repack."""
+    G = K // 32
+    if qtype == T.Q8_0:
+        out, N = tiles_pack_rows(rows, qtype, K, tile_bytes(G, 32, 512), native)
+        return Int8Packed(out, 32, 2, N, K, K, native)
+    symmetric = qtype == T.Q4_0
+    out, N = tiles_pack_rows(rows, qtype, K, tile_bytes(G, 32 if symmetric else 64, 256), native)
+    return Int4Packed(out, 32, symmetric, N, K, K, native)
 
 
 def _cpu_matmul(x: torch.Tensor, w, exact: bool | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -71,6 +142,10 @@ def _cpu_matmul(x: torch.Tensor, w, exact: bool | None, out_dtype: torch.dtype |
         y = int8_mm(x, w, exact)
     elif isinstance(w, GgmlPacked):
         y = ggml_mm(x, w, exact)
+    elif isinstance(w, KqPacked):
+        y = kq_mm(x, w, exact)
+    elif isinstance(w, Segments):
+        y = w.matmul(x, exact)
     else:
         y = int4_mm(x, w, exact)
     return y.to(out_dtype or x.dtype)
@@ -87,7 +162,7 @@ def _float_linear(x: torch.Tensor, w: FloatWeight, exact: bool | None) -> torch.
 
 
 def _cpu_rows(w, ids: torch.Tensor) -> torch.Tensor:
-    if isinstance(w, (Int8Packed, GgmlPacked)):
+    if isinstance(w, (Int8Packed, GgmlPacked, KqPacked)):
         return w.rows(ids)
     if isinstance(w, Int4Packed):
         return int4_packed_rows(w, ids)
@@ -103,7 +178,8 @@ def cpu_kernels(native) -> LinearKernels:
     # is held once (int4/int8 tiles, GGML blocks; a plain copy for lookups would double its bytes).
     pack = partial(_cpu_pack, native=native)
     return LinearKernels(pack, _cpu_matmul, pack,
-                         _cpu_rows, lambda w: isinstance(w, (Int8Packed, Int4Packed, GgmlPacked, FloatWeight)))
+                         _cpu_rows, lambda w: isinstance(w, (Int8Packed, Int4Packed, GgmlPacked, KqPacked, FloatWeight)),
+                         partial(_cpu_pack_rows, native=native))
 
 
 def triton_kernels(device: torch.device) -> LinearKernels:
@@ -139,10 +215,16 @@ def triton_kernels(device: torch.device) -> LinearKernels:
     return LinearKernels(pack, matmul, pack, rows, lambda w: True)
 
 
+def _tensors(obj) -> dict[str, torch.Tensor]:
+    """A packed form's tensors by name (a Segments' runs' as `part{i}_<name>`)."""
+    if isinstance(obj, Segments):
+        return {f"part{i}_{k}": v for i, p in enumerate(obj.parts) for k, v in _tensors(p).items()}
+    return {k: v for k, v in vars(obj).items() if isinstance(v, torch.Tensor)}
+
+
 def _register(module: nn.Module, obj) -> None:
-    for name, value in vars(obj).items():
-        if isinstance(value, torch.Tensor):
-            module.register_buffer(name, value, persistent=False)
+    for name, value in _tensors(obj).items():
+        module.register_buffer(name, value, persistent=False)
 
 
 def fuse_rows(weights: list[Weight]) -> Weight | None:
@@ -197,7 +279,7 @@ class ExactRows:
 def all_fast(exact: bool | None | ExactRows, M: int) -> bool:
     """Whether every row of an M-row step takes the fast kernel (what the C block and one-call step
     need): the rule is the kernels' own (kernels/exact_mm.py takes_exact)."""
-    return not isinstance(exact, ExactRows) and not takes_exact(exact, M)
+    return not isinstance(exact, ExactRows) and not takes_exact(exact)
 
 
 class QuantLinear(nn.Module):
@@ -214,8 +296,7 @@ class QuantLinear(nn.Module):
         self.w = weight if packed else kernels.pack(weight)
         self.matmul = kernels.matmul
         _register(self, self.w)
-        device = self.w.weight.device if isinstance(self.w, FloatWeight) else next(
-            t.device for t in vars(self.w).values() if isinstance(t, torch.Tensor))
+        device = self.w.weight.device if isinstance(self.w, FloatWeight) else next(iter(_tensors(self.w).values())).device
         self.register_buffer("bias", None if bias is None else bias.float().to(device), persistent=False)
         # int64 [K]: the input columns in the weight's stored order. The packed form is then kept wrapped,
         # so code that multiplies packed forms itself (kernels/cpu_block.py) sees it is not plain and

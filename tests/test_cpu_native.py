@@ -33,7 +33,7 @@ def _cpu_has(*flags: str) -> bool:
 def test_builds_where_it_should():
     """On Linux x86-64 with a C compiler and AVX2/FMA/F16C (this project's machines and CI), the
     kernels must build: a silent fallback would hide a 2x slower verification pass."""
-    if not (_cpu_has("avx2", "fma", "f16c") and (shutil.which("cc") or shutil.which("gcc"))):
+    if not (_cpu_has("avx2", "fma", "f16c", "bmi2") and (shutil.which("cc") or shutil.which("gcc"))):
         pytest.skip("no AVX2/FMA/F16C CPU or no C compiler here: the fallback is the right result")
     assert native() is not None
 
@@ -457,7 +457,7 @@ def test_every_isa_and_an_avx2_only_build_give_the_same_logits(tmp_path, monkeyp
 
     k = _kernels()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    avx2_only = cpu_native.load(cpu_native._build({"avx2", "fma", "f16c"}))
+    avx2_only = cpu_native.load(cpu_native._build({"avx2", "fma", "f16c", "bmi2"}))
     assert avx2_only.isas == ["avx2"] and avx2_only.isa == "avx2"
     c, P = _tiny_model("int4-g32").config, 4
     tables = [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4])]
@@ -574,7 +574,7 @@ def test_the_build_is_keyed_by_the_header_too(tmp_path, monkeypatch):
 
     _kernels()
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    flags = {"avx2", "fma", "f16c"}
+    flags = {"avx2", "fma", "f16c", "bmi2"}
     key = lambda: cpu_native._build_key(cc, flags, cpu_native.variants(flags))  # noqa: E731
     before = key()
     header = tmp_path / "cpu_kernels.h"

@@ -135,7 +135,7 @@ def avx2_only(tmp_path_factory):
     old = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("avx2-build"))
     try:
-        k = cpu_native.load(cpu_native._build({"avx2", "fma", "f16c"}))
+        k = cpu_native.load(cpu_native._build({"avx2", "fma", "f16c", "bmi2"}))
     finally:
         if old is None:
             del os.environ["XDG_CACHE_HOME"]

@@ -4,9 +4,10 @@ and the loaded model + engine that `lowbit serve` and `lowbit chat` serve."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from lowbit.quant.kv import KV_FORMATS
-from lowbit.runtime.engine.config import EngineConfig
+from lowbit.runtime.engine.config import DEFAULT_KV_MEMORY, EngineConfig
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load.registry import DEFAULT_MODEL
 
@@ -38,12 +39,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_kv_args(p: argparse.ArgumentParser, speculative_help: str = SPECULATIVE_HELP) -> None:
     """The KV-cache and speculation flags, which `run` takes too; choices and defaults are the
     engine's own (quant/kv.py, engine/config.py)."""
-    memory = f"{DEFAULTS.kv_memory >> 20}MiB"
+    floor = f"{DEFAULT_KV_MEMORY >> 20}MiB"
     p.add_argument("--kv-cache", default=DEFAULTS.kv_format, choices=tuple(KV_FORMATS),
                    help=f"KV cache format of the paged engine (default {DEFAULTS.kv_format}; see docs/engine.md)")
-    p.add_argument("--kv-memory", default=memory,
-                   help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, or on CUDA a share "
-                        f"of the free GPU memory like 90%% (default {memory})")
+    p.add_argument("--kv-memory", default="auto",
+                   help="memory for the KV cache pool: bytes, a size like 512MiB or 2GiB, on CUDA a share of the "
+                        "free GPU memory like 90%%, or auto (the default): one whole context of the model, at "
+                        f"least {floor}, at most half the memory free once the model is loaded")
     p.add_argument("--speculative", default=None, metavar="SPEC", help=speculative_help)
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every decode step eagerly on CUDA (default: pure decode steps are replayed as CUDA "
@@ -59,9 +61,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most tokens per request, prompt and reply together (default: the model's context)")
 
 
-def parse_size(text: str) -> int | float:
+def parse_size(text: str) -> int | float | None:
     """'1000000', '512MiB', '2GiB', '1.5G' → bytes (K/M/G are taken as binary units); '90%' → 0.9
-    (a share of free GPU memory)."""
+    (a share of free GPU memory); 'auto' → None (the engine sizes the pool to the model: engine.kv_budget)."""
+    if text.strip().lower() == "auto":
+        return None
     if text.strip().endswith("%"):
         try:
             share = float(text.strip()[:-1]) / 100
@@ -150,6 +154,8 @@ def load_served(args, kv_memory, progress: bool | None = None):
     lm = load_model(model_ref, args, progress)
     draft = load_draft(spec, lm, args.device, args.dtype)
     engine = Engine(lm.model, lm.tokenizer, engine_config(args, kv_memory, spec), draft_model=draft)
+    if progress is not False:
+        print(f"lowbit: {engine.describe_pool()}", file=sys.stderr, flush=True)
     names = getattr(args, "served_model_name", None) or [lm.path.name]
     return Served(AsyncEngine(engine), lm.tokenizer, names[0], engine.max_model_len,
                   {"weights": lm.weights, "kv_cache": args.kv_cache, "device": str(lm.model.device),

@@ -127,8 +127,11 @@ def _engine_run(lm, ids, params, config, write, draft=None):
     import time
 
     from lowbit.runtime.engine.engine import Engine
+    from lowbit.runtime.engine.speculative import VERIFIED_GREEDY
 
     engine = Engine(lm.model, lm.tokenizer, config, draft_model=draft)
+    if config.speculative is not VERIFIED_GREEDY:  # verified greedy's f32 pool is sized to the request
+        print(f"lowbit: {engine.describe_pool()}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     rid = engine.add_request(ids, params)
     out, pieces, t_first, t_last, finish, spec_stats = [], [], None, None, "length", None

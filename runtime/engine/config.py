@@ -6,14 +6,18 @@ from dataclasses import dataclass
 
 from lowbit.quant.kv import DEFAULT_KV_FORMAT, parse_kv_format
 
-# 28,137 tokens of the default model in k8v4 (9,540 B/token): a few long chats at once
+# The pool's size when none is given follows the model (engine.kv_budget): one whole context of it
+# where free memory allows, and at least this much — 28,137 tokens of the default model in k8v4 (9,540
+# B/token): a few long chats at once. A fixed 256 MiB had refused a 3,936-token prompt at SmolLM2-1.7B's
+# shapes (79 KB/token), whose context is 8,192.
 DEFAULT_KV_MEMORY = 256 << 20
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     kv_format: str = DEFAULT_KV_FORMAT  # quant/kv.py KV_FORMATS
-    kv_memory: int | float = DEFAULT_KV_MEMORY  # bytes, or on CUDA a share (0, 1) of the free GPU memory
+    # bytes, on CUDA a share (0, 1) of the free GPU memory, or None: the model's whole context (engine.kv_budget)
+    kv_memory: int | float | None = None
     # tokens per KV page: 16 keeps the last page's waste under 16 tokens per sequence and a page
     # table short (a 4k context is 256 entries)
     page_size: int = 16

@@ -23,8 +23,7 @@ def embed(model, texts: list[list[int]], pooling: str = "mean") -> torch.Tensor:
         raise ValueError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
     pool, chunks = fresh_pool(model, texts, [len(t) if pooling == "mean" else 1 for t in texts])
     tokens, batch = prepare(chunks, model.device)
-    exact = True if model.backend.exact_prompts else None
-    h = model.forward_paged(tokens, batch, pool, exact, hidden=True)  # [R, dim]: each chunk's wanted rows
+    h = model.forward_paged(tokens, batch, pool, None, hidden=True)  # [R, dim]: each chunk's wanted rows
     rows = h.split([ch.logits for ch in chunks])
     pooled = torch.stack([r.mean(0) for r in rows])  # [len(texts), dim]; `last` wanted one row each
     return torch.nn.functional.normalize(pooled.double(), dim=-1).float()

@@ -17,13 +17,14 @@ every row of the request runs exactly, so its reply is the exact model's greedy 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from lowbit.quant.kv import parse_kv_format
-from lowbit.runtime.engine.config import EngineConfig
+from lowbit.runtime.engine.config import DEFAULT_KV_MEMORY, EngineConfig
 from lowbit.runtime.engine.cuda_graphs import decode_graphs
 from lowbit.runtime.engine.detokenizer import StreamDetokenizer
 from lowbit.runtime.engine.kv_cache import KVPool
@@ -35,15 +36,39 @@ from lowbit.runtime.engine.speculative import (MAX_K, DraftProposer, FastDrafter
                                                verify)
 from lowbit.runtime.engine.stop import StopMatcher
 
-def kv_budget(kv_memory: int | float, device: torch.device) -> int:
-    """Bytes for the KV pool: a byte count, or a fraction (0, 1) of the GPU memory free right now
-    (after the weights are loaded), as vLLM's --gpu-memory-utilization but of free memory."""
+def kv_budget(kv_memory: int | float | None, device: torch.device, token_bytes: int = 0, context: int = 0,
+              page_size: int = 16) -> int:
+    """Bytes for the KV pool: a byte count, a fraction (0, 1) of the GPU memory free right now (after
+    the weights are loaded), as vLLM's --gpu-memory-utilization but of free memory, or None: what the
+    model needs for one whole context (`context` tokens of `token_bytes` each, plus a page), at least
+    DEFAULT_KV_MEMORY, at most half the memory free now where that is less (as Ollama and llama-server
+    choose a context from memory; the rest stays for activations and other programs)."""
+    if kv_memory is None:
+        want = max(DEFAULT_KV_MEMORY, token_bytes * page_size * (-(-context // page_size) + 1))
+        return min(want, max(DEFAULT_KV_MEMORY, free_memory(device) // 2))
     if isinstance(kv_memory, float) and 0 < kv_memory < 1:
         if device.type != "cuda":
             raise ValueError("a KV memory fraction needs a GPU; on CPU give a size (e.g. 512MiB)")
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * kv_memory)
     return int(kv_memory)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free now: the GPU's, or the machine's available memory (Linux MemAvailable; else free pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return DEFAULT_KV_MEMORY * 2
 
 
 @dataclass
@@ -88,8 +113,10 @@ class Engine:
         self.model, self.tok, self.config, self.exact = model, tokenizer, e, e.exact
         self.max_model_len = e.max_model_len or c.max_seq_len  # prompt + reply, in tokens
         # model.kv_heads: the heads this process caches (all of them, or one tensor-parallel rank's share)
-        self.pool = KVPool.from_budget(parse_kv_format(e.kv_format), c.n_layers, model.kv_heads, c.head_dim,
-                                       kv_budget(e.kv_memory, model.device), e.page_size, model.device)
+        fmt = parse_kv_format(e.kv_format)
+        budget = kv_budget(e.kv_memory, model.device, fmt.bytes_per_token(c.n_layers, model.kv_heads, c.head_dim),
+                           self.max_model_len, e.page_size)
+        self.pool = KVPool.from_budget(fmt, c.n_layers, model.kv_heads, c.head_dim, budget, e.page_size, model.device)
         self.runner = Runner(model, self.pool, decode_graphs(model, self.pool, e, self.max_model_len))
         # graphed decode steps pad with rows writing to the pool's last page: kept from every sequence
         self.blocks = PageManager(self.pool.num_pages - (self.runner.graphs is not None), e.page_size,
@@ -108,8 +135,10 @@ class Engine:
             if draft_model.config.vocab_size != c.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
                                  f"target's ({c.vocab_size}); a draft must share the target's tokenizer")
-            self.proposer = DraftProposer(draft_model, tokenizer.vocab_size, parse_kv_format(e.kv_format),
-                                          kv_budget(e.kv_memory, draft_model.device), e.page_size)
+            d = draft_model.config
+            self.proposer = DraftProposer(draft_model, tokenizer.vocab_size, fmt, kv_budget(
+                e.kv_memory, draft_model.device, fmt.bytes_per_token(d.n_layers, draft_model.kv_heads, d.head_dim),
+                self.max_model_len, e.page_size), e.page_size)
         self._proposals: dict[str, Proposal] = {}
 
     # ---- requests ------------------------------------------------------------------------------
@@ -153,6 +182,14 @@ class Engine:
             self.scheduler.abort(request_id)
             if self.proposer is not None:
                 self.proposer.release(request_id)
+
+    def describe_pool(self) -> str:
+        """One line on the KV pool, what a command says at start: its format, size, tokens it holds, and the
+        flag that changes it."""
+        p, gib = self.pool, 1 << 30
+        size = f"{p.nbytes / gib:.2f} GiB" if p.nbytes >= gib else f"{p.nbytes >> 20} MiB"
+        return (f"KV cache {p.fmt.name}: {size}, {self.blocks.num_pages * p.page_size:,} tokens (the context is "
+                f"{self.max_model_len:,}; --kv-memory sets the size)")
 
     def has_work(self) -> bool:
         return bool(self.scheduler.num_running or self.scheduler.num_waiting)
@@ -269,7 +306,7 @@ class Engine:
     def _run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         chunks = [self._chunk(s) for s in scheduled]
         exact = self.exact
-        if exact is None and not self.model.backend.exact_prompts:
+        if exact is None and not self.model.backend.per_row_exact:
             # CUDA: a step's activations share one dtype, so a step with exact rows runs exact throughout
             exact = any(c.exact for c in chunks)
         return self.runner.run(chunks, exact if exact is not None else exact_rows(chunks, self.model.device))
@@ -278,16 +315,11 @@ class Engine:
         """A scheduled sequence's tokens this step; a sampled one wants logits at its last position and
         at every draft's (verification needs them all).
 
-        Its exact rows: all of a verified-greedy request's; on CPU, whose kernels differ by path (exact
-        fp32 vs the fast kernel), also every prompt token, so that generated tokens are always fast and
-        prompt tokens always exact and a reply does not depend on its batch or on prefix-cache hits."""
+        Its exact rows: all of a verified-greedy request's, none of any other's. Prompt tokens take the fast
+        kernels as generated ones do: their rows are the same at every M (kernels/exact_mm.py takes_exact),
+        so a reply does not depend on its batch, its prompt's chunking or prefix-cache hits."""
         end = s.start + s.num_tokens
-        if self.requests[s.seq.seq_id].exact:
-            exact = s.num_tokens
-        elif self.model.backend.exact_prompts:
-            exact = max(0, min(end, len(s.seq.prompt_ids)) - s.start)
-        else:
-            exact = 0
+        exact = s.num_tokens if self.requests[s.seq.seq_id].exact else 0
         return Chunk(s.seq.all_ids[s.start:end], s.start, s.slots, self.blocks.block_table(s.seq.seq_id),
                      logits=1 + s.num_drafts if s.sample else 0, one_by_one=s.num_drafts > 0, exact=exact)
 

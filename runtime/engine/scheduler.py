@@ -130,7 +130,8 @@ class Scheduler:
         if not 0 < len(seq.prompt_ids) <= capacity or seq.max_tokens < 1:
             raise ValueError(
                 f"sequence {seq.seq_id!r}: need 1 <= prompt tokens <= {capacity} (the whole KV "
-                f"pool) and max_tokens >= 1, got {len(seq.prompt_ids)} and {seq.max_tokens}"
+                f"pool; --kv-memory sets its size) and max_tokens >= 1, got {len(seq.prompt_ids)} and "
+                f"{seq.max_tokens}"
             )
         seq.status, seq.num_computed, seq.arrival = Status.WAITING, 0, next(self._arrivals)
         self.waiting.append(seq)

@@ -7,6 +7,8 @@ bad file fails in a second with one line naming file, tensor and type rather tha
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,9 +16,9 @@ import torch
 
 from lowbit.models.config import LlamaConfig
 from lowbit.quant import WeightSpec
-from lowbit.quant.ggml import REQUANTIZED, SUPPORTED, load_matrix, to_float_tensor
+from lowbit.quant.ggml import LOSSLESS, REQUANTIZED, SUPPORTED, from_file_lazily, load_matrix, to_float_tensor
 from lowbit.runtime.errors import LowbitError
-from lowbit.runtime.load.gguf_file import GGUFFile
+from lowbit.runtime.load.gguf_file import GGUFFile, TensorInfo
 
 
 def _check_tensors(f: GGUFFile) -> None:
@@ -38,13 +40,64 @@ def _gguf_to_hf_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).view(n_head, hd // 2, 2).transpose(1, 2).reshape(-1)  # [h, 2, hd/2] order
 
 
+@dataclass(frozen=True)
+class TensorRows:
+    """Where a GGML-block matrix's rows lie in its GGUF file (quant/ggml_block.py FileBlocks' source):
+    the CPU's C repack reads them from there; `read()` brings them into memory for anything else."""
+
+    file: GGUFFile
+    tensor: TensorInfo
+    N: int
+    perm: torch.Tensor | None = None  # int64 [N]: output row n is the file's row perm[n]
+
+    @property
+    def path(self) -> str:
+        return str(self.file.path)
+
+    @property
+    def offset(self) -> int:
+        return self.tensor.data_offset
+
+    def read(self) -> torch.Tensor:
+        b = torch.from_numpy(self.file.read(self.tensor)).view(self.N, -1)  # uint8 [N, row bytes]
+        return b if self.perm is None else b[self.perm].contiguous()
+
+    def with_rows(self, index: torch.Tensor) -> "TensorRows":
+        """The rows `index` (int64) of these, in that order."""
+        index = index.to(torch.int64)
+        return replace(self, perm=(index if self.perm is None else self.perm[index]).contiguous(), N=int(index.numel()))
+
+
+class LazyWeights(Mapping):
+    """The model's weights by name (load_gguf's), each read from the file and converted only when asked
+    for and not kept: the model's constructor takes one layer's at a time, packs them and drops what it
+    read, so a load holds the model plus one layer in transit, not the file and the model together.
+    Asking twice reads twice. `progress(i + 1)` is told when layer i's last tensor is read."""
+
+    def __init__(self, make: dict[str, Callable[[], Any]], progress: Callable[[int], None] | None):
+        self._make, self._progress = make, progress
+
+    def __getitem__(self, name: str):
+        value = self._make[name]()
+        if self._progress is not None and name.startswith("layers.") and name.endswith(".w_down"):
+            self._progress(int(name.split(".")[1]) + 1)
+        return value
+
+    def __iter__(self):
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)
+
+
 def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Callable[[int], None] | None = None,
               note: Callable[[str], None] | None = None):
-    """→ (LlamaConfig, weights dict, metadata). target None = `auto` (lossless where possible); `note`
-    is told, in one line per type, of tensors `auto` cannot hold losslessly.
+    """→ (LlamaConfig, weights, metadata). target None = `auto` (lossless where possible); `note`
+    is told, in one line per type, of tensors `auto` cannot hold losslessly. weights: a LazyWeights
+    (each value read when asked for); every tensor's name, type and shape are checked here first.
 
-    Names in the dict: embed, output (absent when tied), norm, rope_freqs (llama3 files), and per
-    layer `layers.{i}.{attn_norm,ffn_norm,wq,wk,wv,wo,w_gate,w_up,w_down,bq,bk,bv}`.
+    Names: embed, output (absent when tied), norm, rope_freqs (llama3 files), and per layer
+    `layers.{i}.{attn_norm,ffn_norm,wq,wk,wv,wo,w_gate,w_up,w_down,bq,bk,bv}`.
     """
     f = source if isinstance(source, GGUFFile) else GGUFFile(Path(source))
     path, meta = f.path, f.metadata
@@ -68,14 +121,15 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
             raise LowbitError(f"{path}: missing tensor {name}")
         return tensors[name]
 
-    def vector(name: str, size: int | None = None) -> torch.Tensor:
+    def vector(name: str, size: int | None = None, rows: torch.Tensor | None = None):
         t = tensor(name)
         if size is not None and int(t.n_elements) != size:
             raise LowbitError(f"{path}: tensor {name} has {t.n_elements} elements, but the metadata implies {size}")
-        return to_float_tensor(t.data, t.tensor_type, (int(t.n_elements),))
+        return lambda: (lambda v: v if rows is None else v[rows])(
+            to_float_tensor(f.read(t), t.tensor_type, (int(t.n_elements),)))
 
     def matrix(name: str, spec: WeightSpec | None, rows: torch.Tensor | None = None, shape: tuple[int, int] | None = None):
-        """shape: the (N, K) the config implies; a file that disagrees fails here, not mid-forward."""
+        """shape: the (N, K) the config implies; a file that disagrees fails here, not mid-load."""
         t = tensor(name)
         if len(t.shape) != 2:
             raise LowbitError(f"{path}: tensor {name} has shape {list(t.shape)}, expected a matrix")
@@ -83,41 +137,44 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
         if shape is not None and (N, K) != shape:
             raise LowbitError(f"{path}: tensor {name} is {N}x{K} (rows x cols), but the metadata implies "
                               f"{shape[0]}x{shape[1]}")
-        w = load_matrix(t.data, t.tensor_type, N, K, spec)
-        return w if rows is None else w.rows(rows)
+
+        def make():
+            if spec is None and t.tensor_type in LOSSLESS and K % 32 == 0:  # left in the file until packed
+                w = from_file_lazily(t.tensor_type, N, K, TensorRows(f, t, N))
+            else:
+                w = load_matrix(f.read(t), t.tensor_type, N, K, spec)
+            return w if rows is None else w.rows(rows)
+        return make
 
     c = config
     # Embedding and LM head keep their file precision unless a float layout was asked for: they are
     # ~20% of a small model's bytes but set the quality of every logit.
     head_spec = target if target is not None and not target.quantized else None
-    weights: dict[str, Any] = {"embed": matrix("token_embd.weight", head_spec, None, (c.vocab_size, c.dim)),
-                               "norm": vector("output_norm.weight", c.dim)}
+    make: dict[str, Callable[[], Any]] = {"embed": matrix("token_embd.weight", head_spec, None, (c.vocab_size, c.dim)),
+                                          "norm": vector("output_norm.weight", c.dim)}
     if not c.tie_embeddings:
-        weights["output"] = matrix("output.weight", head_spec, None, (c.vocab_size, c.dim))
+        make["output"] = matrix("output.weight", head_spec, None, (c.vocab_size, c.dim))
     if "rope_freqs.weight" in tensors:
-        weights["rope_freqs"] = vector("rope_freqs.weight")
+        make["rope_freqs"] = vector("rope_freqs.weight")
     permute = c.arch in ("llama", "mistral")  # qwen2 files keep HF's rotate-half order
     q_rows = _gguf_to_hf_rows(c.n_heads * c.head_dim, c.n_heads) if permute else None
     k_rows = _gguf_to_hf_rows(c.n_kv_heads * c.head_dim, c.n_kv_heads) if permute else None
     for i in range(c.n_layers):
         p, b = f"layers.{i}.", f"blk.{i}."
-        weights[p + "attn_norm"] = vector(b + "attn_norm.weight", c.dim)
-        weights[p + "ffn_norm"] = vector(b + "ffn_norm.weight", c.dim)
+        make[p + "attn_norm"] = vector(b + "attn_norm.weight", c.dim)
+        make[p + "ffn_norm"] = vector(b + "ffn_norm.weight", c.dim)
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        weights[p + "wq"] = matrix(b + "attn_q.weight", target, q_rows, (q_dim, c.dim))
-        weights[p + "wk"] = matrix(b + "attn_k.weight", target, k_rows, (kv_dim, c.dim))
-        weights[p + "wv"] = matrix(b + "attn_v.weight", target, None, (kv_dim, c.dim))
-        weights[p + "wo"] = matrix(b + "attn_output.weight", target, None, (c.dim, q_dim))
-        weights[p + "w_gate"] = matrix(b + "ffn_gate.weight", target, None, (c.hidden_dim, c.dim))
-        weights[p + "w_up"] = matrix(b + "ffn_up.weight", target, None, (c.hidden_dim, c.dim))
-        weights[p + "w_down"] = matrix(b + "ffn_down.weight", target, None, (c.dim, c.hidden_dim))
+        make[p + "wq"] = matrix(b + "attn_q.weight", target, q_rows, (q_dim, c.dim))
+        make[p + "wk"] = matrix(b + "attn_k.weight", target, k_rows, (kv_dim, c.dim))
+        make[p + "wv"] = matrix(b + "attn_v.weight", target, None, (kv_dim, c.dim))
+        make[p + "wo"] = matrix(b + "attn_output.weight", target, None, (c.dim, q_dim))
+        make[p + "w_gate"] = matrix(b + "ffn_gate.weight", target, None, (c.hidden_dim, c.dim))
+        make[p + "w_up"] = matrix(b + "ffn_up.weight", target, None, (c.hidden_dim, c.dim))
+        make[p + "w_down"] = matrix(b + "ffn_down.weight", target, None, (c.dim, c.hidden_dim))
         for n, rows in (("q", q_rows), ("k", k_rows), ("v", None)):
             if f"{b}attn_{n}.bias" in tensors:
-                bias = vector(f"{b}attn_{n}.bias", q_dim if n == "q" else kv_dim)
-                weights[p + "b" + n] = bias if rows is None else bias[rows]
-        if progress:
-            progress(i + 1)
-    return config, weights, meta
+                make[p + "b" + n] = vector(f"{b}attn_{n}.bias", q_dim if n == "q" else kv_dim, rows)
+    return config, LazyWeights(make, progress), meta
 
 
 def gguf_tensor_bytes(path: Path) -> int:

@@ -234,6 +234,27 @@ class GGUFFile:
                                       mm[start:end]))
         return tensors
 
+    def read(self, t: TensorInfo) -> np.ndarray:
+        """A tensor's bytes, read into memory of their own (uint8 [n_bytes], writeable): a load then holds
+        what it has read and kept, never the mapping's pages — touching those counts the file in the
+        process's resident memory on top of what is built from it (an 8B Q4_K_M held 13.5 GB that way
+        against 4.35 GB of tensors)."""
+        out = np.empty(t.n_bytes, np.uint8)
+        view = memoryview(out)
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                f.seek(t.data_offset)
+                got = 0
+                while got < t.n_bytes:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise self._error(f"truncated file: tensor {t.name} ends at byte "
+                                          f"{t.data_offset + t.n_bytes}")
+                    got += n
+        except OSError as e:
+            raise self._error(f"cannot read tensor {t.name}: {e.strerror or e}") from None
+        return out
+
     def __repr__(self) -> str:
         return (f"GGUFFile({str(self.path)!r}, version={self.version}, "
                 f"{len(self.metadata)} keys, {len(self.tensors)} tensors)")

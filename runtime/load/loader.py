@@ -37,12 +37,17 @@ class LoadedModel:
         return sum(b.numel() * b.element_size() for b in self.model.buffers())
 
 
+# A load shorter than this shows no bar (the default model: ~1 s); an 8B one, or a first read from disk,
+# shows its layers going by.
+PROGRESS_DELAY_S = 2.0
+
+
 def _progress_bar(total: int, desc: str, enabled: bool):
     if not enabled:
         return None, lambda: None
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc=desc, unit="layer", leave=False, file=sys.stderr)
+    bar = tqdm(total=total, desc=desc, unit="layer", leave=False, file=sys.stderr, delay=PROGRESS_DELAY_S)
     return (lambda n: bar.update(n - bar.n)), bar.close
 
 
@@ -66,6 +71,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         spec = None if weights == "auto" else parse_weights(weights)
     except ValueError as e:
         raise LowbitError(str(e)) from None
+    close = lambda: None  # noqa: E731 - the GGUF branch's bar, closed once the model is built
     if path.is_dir():
         from lowbit.runtime.load.safetensors import load_hf_dir
 
@@ -93,13 +99,13 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         gguf = GGUFFile(path)
         meta = gguf.metadata
         arch = meta.get("general.architecture")
+        # the bar runs while the model is built: its weights are read then, a layer at a time (load_gguf)
         update, close = _progress_bar(int(meta.get(f"{arch}.block_count", 0) or 0), f"loading {path.name}", progress)
         try:
             config, w, _ = load_gguf(gguf, spec, update, note=lambda s: print(f"lowbit: note: {s}", file=sys.stderr))
         except ValueError as e:
-            raise LowbitError(f"{path}: {e}") from None
-        finally:
             close()
+            raise LowbitError(f"{path}: {e}") from None
         try:
             tokenizer = Tokenizer.from_gguf_metadata(meta)
         except ValueError as e:
@@ -116,6 +122,11 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
             model = Llama(config, w, backend, tp).eval()
     except (RuntimeError, ValueError) as e:  # e.g. a torch build whose int4 packing lowbit does not know
         raise LowbitError(f"{path}: cannot build the model: {str(e).splitlines()[0]}") from None
+    except OSError as e:  # the file read as the weights are packed (a disk error, a file cut short since)
+        raise LowbitError(f"{path}: cannot read the weights: {e}") from None
+    finally:
+        if not path.is_dir():
+            close()
     del w
     return LoadedModel(model, tokenizer, config, path, source, used, time.perf_counter() - t0)
 

@@ -1,0 +1,173 @@
+"""Random-weight GGUF files in the shapes people run, made once and kept: what tests/bench/real_sizes.py
+measures. Written tensor by tensor with gguf's writer (an 8B F16 never sits in memory: one matrix at a
+time, ~235 MB at most), then quantized by llama.cpp's own quantizer (llama_cpp.llama_model_quantize)
+with its defaults for the file type, so each file holds the type mix a downloaded one holds (Q4_K_M:
+Q4_K, Q6_K for the output, half the attn_v and ffn_down).
+
+    python tests/bench/real_models.py [--models 8b:Q4_K_M,1.7b:Q4_K_M,1.7b:Q4_0] [--dir DIR] [--threads 2]
+
+Shapes (the vocabulary is the default model's tokenizer, 49,152 tokens, whose metadata is copied):
+
+    8b    Llama-3-8B's: dim 4096, 32 layers, 32 heads / 8 KV heads of 128, FFN 14336, untied output,
+          rope base 500000, context 8192 (the F16 is 15 GB on disk; Q4_K_M 4.35 GB)
+    1.7b  SmolLM2-1.7B's: dim 2048, 24 layers, 32 / 32 heads of 64, FFN 8192, tied embeddings, rope
+          base 130000, context 8192
+
+Weights: seed 0, N(0, 0.02) (norms 1), generated a matrix at a time. Speed and memory depend on the
+shapes and the layouts only; no claim about quality is made on these files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {
+    "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, hidden=14336, tied=False,
+               rope_base=500000.0, name="Llama-3-8B"),
+    "1.7b": dict(dim=2048, n_layers=24, n_heads=32, n_kv_heads=32, head_dim=64, hidden=8192, tied=True,
+                 rope_base=130000.0, name="SmolLM2-1.7B"),
+}
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h LLAMA_FTYPE_MOSTLY_*
+CONTEXT = 8192
+
+
+def default_dir() -> Path:
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("lowbit")) / "bench"
+
+
+def _matrices(s: dict) -> list[tuple[str, tuple[int, int]]]:
+    """Every 2-D tensor of the model in file order: (name, (rows, cols))."""
+    D, H, Hkv, hd, F = s["dim"], s["n_heads"], s["n_kv_heads"], s["head_dim"], s["hidden"]
+    out = []
+    for i in range(s["n_layers"]):
+        b = f"blk.{i}."
+        out += [(b + "attn_q.weight", (H * hd, D)), (b + "attn_k.weight", (Hkv * hd, D)),
+                (b + "attn_v.weight", (Hkv * hd, D)), (b + "attn_output.weight", (D, H * hd)),
+                (b + "ffn_gate.weight", (F, D)), (b + "ffn_up.weight", (F, D)), (b + "ffn_down.weight", (D, F))]
+    return out
+
+
+def write_f16(path: Path, shape: str, tokenizer_gguf: Path) -> None:
+    """The shape's model with random weights and the given file's tokenizer → an F16 GGUF, one tensor
+    in memory at a time (gguf's writer: tensor infos first, then each tensor's data in order)."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    s = SHAPES[shape]
+    vocab = None
+    rng = np.random.default_rng(0)
+    part = Path(str(path) + ".part")
+    w = GGUFWriter(str(part), "llama")
+    w.add_name(f"random {s['name']} shapes")
+    w.add_context_length(CONTEXT)
+    w.add_embedding_length(s["dim"])
+    w.add_block_count(s["n_layers"])
+    w.add_feed_forward_length(s["hidden"])
+    w.add_head_count(s["n_heads"])
+    w.add_head_count_kv(s["n_kv_heads"])
+    w.add_rope_dimension_count(s["head_dim"])
+    w.add_rope_freq_base(s["rope_base"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(1)  # MOSTLY_F16
+    for name, field in GGUFReader(str(tokenizer_gguf)).fields.items():
+        if name.startswith("tokenizer."):
+            types = field.types
+            sub = types[1] if types[0] == GGUFValueType.ARRAY else None
+            w.add_key_value(name, field.contents(), types[0], sub_type=sub)
+            if name == "tokenizer.ggml.tokens":
+                vocab = len(field.contents())
+    D = s["dim"]
+    tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab, D)), ("output_norm.weight", (D,))]
+    if not s["tied"]:
+        tensors.append(("output.weight", (vocab, D)))
+    for i in range(s["n_layers"]):
+        tensors += [(f"blk.{i}.attn_norm.weight", (D,)), (f"blk.{i}.ffn_norm.weight", (D,))]
+    tensors += _matrices(s)
+    F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
+    for name, shp in tensors:
+        dtype = np.float16 if len(shp) == 2 else np.float32
+        w.add_tensor_info(name, shp, np.dtype(dtype), int(np.prod(shp)) * np.dtype(dtype).itemsize,
+                          raw_dtype=F16 if len(shp) == 2 else F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for i, (name, shp) in enumerate(tensors):
+        if len(shp) == 1:
+            data = np.ones(shp, np.float32)
+        else:
+            data = np.empty(shp, np.float16)
+            for r in range(0, shp[0], 4096):  # ~4096 rows of f32 at a time
+                data[r:r + 4096] = rng.standard_normal((min(4096, shp[0] - r), shp[1]), dtype=np.float32) * 0.02
+        w.write_tensor_data(data)
+        print(f"\r  {i + 1}/{len(tensors)} tensors", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    w.close()
+    part.rename(path)
+
+
+def quantize(src: Path, dst: Path, ftype: str, threads: int) -> None:
+    """llama.cpp's quantizer with its defaults for `ftype` (llama_model_quantize_default_params)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[ftype]
+    params.nthread = threads
+    tmp = Path(str(dst) + ".part")
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+        sys.exit(f"llama.cpp could not quantize {src} to {ftype}")
+    tmp.rename(dst)
+
+
+def model_file(shape: str, ftype: str, directory: Path | None = None, threads: int = 2,
+               keep_f16: bool = True) -> Path:
+    """The quantized file for (shape, ftype), made (F16, then llama.cpp's quantizer) unless it exists."""
+    from lowbit.runtime.load.registry import resolve
+
+    if shape not in SHAPES:
+        sys.exit(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    if ftype not in FTYPES:
+        sys.exit(f"unknown file type {ftype!r}; choose from {', '.join(FTYPES)}")
+    directory = directory or default_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / f"{shape}-shapes.{ftype}.gguf"
+    if out.exists():
+        return out
+    src = directory / f"{shape}-shapes.F16.gguf"
+    if not src.exists():
+        print(f"writing {src} (random weights, once)", file=sys.stderr, flush=True)
+        write_f16(src, shape, resolve("smollm2-135m"))
+    print(f"quantizing {src.name} to {ftype} with llama.cpp's quantizer (once)", file=sys.stderr, flush=True)
+    quantize(src, out, ftype, threads)
+    if not keep_f16:
+        src.unlink()
+    return out
+
+
+def parse_models(spec: str) -> list[tuple[str, str]]:
+    """"8b:Q4_K_M,1.7b:Q4_0" → [("8b", "Q4_K_M"), ("1.7b", "Q4_0")]."""
+    out = []
+    for item in spec.split(","):
+        if item.strip():
+            shape, _, ftype = item.strip().partition(":")
+            out.append((shape, ftype or "Q4_K_M"))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--models", default="8b:Q4_K_M,1.7b:Q4_K_M,1.7b:Q4_0", help="shape:ftype, comma-separated")
+    ap.add_argument("--dir", type=Path, default=None, help="where the files are made and kept")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    for shape, ftype in parse_models(a.models):
+        print(model_file(shape, ftype, a.dir, a.threads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
