@@ -170,6 +170,52 @@ def test_fast_kernel_is_close_batch_invariant_and_one_isa(readers, qtype, c_kern
         assert torch.equal(ggml_mm(x, q, exact=False), y), kernels.isa
 
 
+KQ_TILED = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1]
+
+
+@pytest.mark.parametrize("qtype", KQ_TILED, ids=lambda q: q.name)
+def test_tiles_of_llama_cpp_tensors_are_the_file_and_the_integer_spec(readers, qtype, c_kernels, avx2_only):
+    """What a CPU load does with these types (kernels/kq_mm.py): the file's blocks repacked into 16-row
+    tiles, whose rows give back gguf's weights bit for bit, and whose fast path gives kq_mm_fast_ref's
+    bits on every instruction set the library has and on an AVX2-only build, at every M."""
+    from lowbit.kernels.kq_mm import kq_mm, kq_mm_fast_ref, kq_pack, kq_pack_ref
+
+    native = c_kernels.native()
+    t = _one(readers, qtype)
+    K, N = (int(d) for d in t.shape)
+    blocks = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(N, -1).copy())
+    p = kq_pack(blocks, int(qtype), K, native=native)
+    assert torch.equal(p.data, kq_pack_ref(blocks, int(qtype), K))
+    assert torch.equal(p.dequantize_rows(0, N), reference(t))
+    x = torch.randn(16, K, generator=torch.Generator().manual_seed(int(qtype)))
+    want = kq_mm_fast_ref(x, blocks, int(qtype))
+    exact = x.double() @ reference(t).double().t()
+    assert (want.double() - exact).norm() / exact.norm() < 1e-4
+    for kernels in [native.with_isa(isa) for isa in native.isas] + [avx2_only]:
+        q = kq_pack(blocks, int(qtype), K, native=kernels)
+        for M in (1, 2, 3, 5, 16):
+            assert torch.equal(kq_mm(x[:M], q, False), want[:M]), (kernels.isa, M)
+
+
+def test_a_q4_k_m_prompt_on_the_integer_kernels_is_within_1e6_kl(files, c_kernels):
+    """A 512-token prompt of the Q4_K_M file, every matmul on the tiles' integer kernels, against the
+    exact fp32 pass over the same file: mean KL within 1e-6, top-1 the same."""
+    import torch.nn.functional as F
+
+    from lowbit.models.backend import torch_backend
+    from lowbit.runtime.load.loader import load
+    from tests.helpers import forward
+
+    lm = load(str(files["Q4_K_M"]), "auto", progress=False, backend=torch_backend(c_kernels.native()))
+    ids = list(torch.randint(100, 40000, (512,), generator=torch.Generator().manual_seed(0)).tolist())
+    with torch.inference_mode():
+        ref = forward(lm.model, torch.tensor([ids]), exact=True)[0]
+        fast = forward(lm.model, torch.tensor([ids]))[0]
+    kl = F.kl_div(F.log_softmax(fast.double(), -1), F.log_softmax(ref.double(), -1), log_target=True,
+                  reduction="none").sum(-1)
+    assert kl.mean() <= 1e-6 and (fast.argmax(-1) == ref.argmax(-1)).double().mean() >= 0.99, float(kl.mean())
+
+
 def test_exact_path_without_c_kernels_is_the_spec(readers):
     t = _one(readers, T.Q4_K)
     K, N = (int(d) for d in t.shape)
