@@ -103,11 +103,9 @@ static inline __attribute__((always_inline)) void kq_scales(const int ST, const 
     }
 }
 
-/* acc += the block's (or half's) term for one row; T = 256 th + tl. */
-static inline __attribute__((always_inline)) __m512 kq_epilogue(const int ST, __m512 acc, __m512i th, __m512i tl,
-                                                                __m512 s0, __m512 s1, const lowbit_qblock *q,
-                                                                const int half) {
-    __m512i T = _mm512_add_epi32(_mm512_slli_epi32(th, 8), tl);
+/* acc += the block's (or half's) term for one row, T = 256 sum(u h) + sum(u l) its integer sum. */
+static inline __attribute__((always_inline)) __m512 kq_epilogue(const int ST, __m512 acc, __m512i T, __m512 s0,
+                                                                __m512 s1, const lowbit_qblock *q, const int half) {
     if (ST == LOWBIT_Q5_0) T = _mm512_sub_epi32(T, _mm512_set1_epi32(q->S16));
     if (ST == LOWBIT_Q6_K) T = _mm512_sub_epi32(T, _mm512_set1_epi32(half ? q->S32b : q->S32a));
     const __m512 a = ST == LOWBIT_Q6_K && half ? s1 : s0;
@@ -151,12 +149,73 @@ static inline __attribute__((always_inline)) void kq_pass(const int ST, const in
                 }
                 if (ST == LOWBIT_Q6_K && j == 1)  /* the first 16 k: its own scale */
                     for (int r = 0; r < R; r++) {
-                        acc[r] = kq_epilogue(ST, acc[r], th[r], tl[r], s0, s1, &a->blk[(m0 + r) * a->nb + b], 0);
+                        acc[r] = kq_epilogue(ST, acc[r], _mm512_add_epi32(_mm512_slli_epi32(th[r], 8), tl[r]), s0, s1,
+                                             &a->blk[(m0 + r) * a->nb + b], 0);
                         th[r] = tl[r] = _mm512_setzero_si512();
                     }
             }
             for (int r = 0; r < R; r++)
-                acc[r] = kq_epilogue(ST, acc[r], th[r], tl[r], s0, s1, &a->blk[(m0 + r) * a->nb + b], 1);
+                acc[r] = kq_epilogue(ST, acc[r], _mm512_add_epi32(_mm512_slli_epi32(th[r], 8), tl[r]), s0, s1,
+                                     &a->blk[(m0 + r) * a->nb + b], 1);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * w->N + n0, acc[r]);
+}
+
+/* Eight rows (a prompt's): one accumulator per row — the block's 8 code vectors decoded once into
+ * registers, every row's h-plane products, a shift by 8, then its l-plane products — so the decoding and
+ * the scales are shared by twice the rows and each row's epilogue combines no planes. The same
+ * integer T and epilogue as kq_pass, so a row's bits do not depend on which pass took it. */
+static inline __attribute__((always_inline)) void kq_pass8(const int ST, const int R, int64_t m0,
+                                                           const lowbit_linear *w, const lowbit_qact *a,
+                                                           const uint8_t *tile, int64_t n0, float *y) {
+    const int64_t G = w->K / w->group, nbg = w->group / 32, BB = lowbit_kq_block(ST);
+    const int halves = ST == LOWBIT_Q6_K ? 2 : 1, per = 8 / halves;  /* code vectors per half */
+    __m512 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    lowbit_group_walk walk = lowbit_walk(w, tile);
+    for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
+        const uint8_t *hdr = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hdr));
+        const __m512 dm = HAS_DMIN(ST) || ST == LOWBIT_Q5_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 32))) : d;
+        for (int64_t bb = 0; bb < nbg; bb++) {
+            const int64_t b = gi * nbg + bb;
+            const uint8_t *cb = codes + bb * BB;
+            __m512 s0, s1;
+            kq_scales(ST, hdr, bb, d, dm, &s0, &s1);
+            const __m512i p0 = ST == LOWBIT_Q4_K ? _mm512_setzero_si512() : VLOAD(cb + 256);
+            const __m512i p1 = ST == LOWBIT_Q6_K ? VLOAD(cb + 320) : p0;
+            const int8_t *x[8];  /* each row's activation words of this block */
+            for (int r = 0; r < R; r++) x[r] = HL(a, m0 + r, b, 0, 8);
+#pragma GCC unroll 2
+            for (int half = 0; half < halves; half++) {  /* the loops unrolled: u and T stay in registers */
+                __m512i u[8], T[8];
+#pragma GCC unroll 8
+                for (int v = 0; v < per; v++) {  /* v: nibble vector 2j + h of the half */
+                    const int vv = half * per + v;
+                    u[v] = kq_codes(ST, VLOAD(cb + 64 * (vv >> 1)), p0, p1, vv >> 1, vv & 1);
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) T[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+                for (int pl = 0; pl < 2; pl++) {  /* the h plane, then the l plane */
+                    if (pl)
+#pragma GCC unroll 8
+                        for (int r = 0; r < R; r++) T[r] = _mm512_slli_epi32(T[r], 8);
+#pragma GCC unroll 8
+                    for (int v = 0; v < per; v++) {
+                        const int vv = half * per + v;  /* k 8j..8j+3 (h = 0) or 8j+4.. (h = 1): 16 bytes a j */
+#pragma GCC unroll 8
+                        for (int r = 0; r < R; r++) {
+                            T[r] = dpbusd_b(T[r], u[v], x[r] + 16 * (vv >> 1) + 8 * (vv & 1) + 4 * pl);
+                            KEEP(T[r]);
+                        }
+                    }
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++)
+                    acc[r] = kq_epilogue(ST, acc[r], T[r], s0, s1, &a->blk[(m0 + r) * a->nb + b], half || halves == 1);
+            }
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * w->N + n0, acc[r]);
@@ -169,13 +228,19 @@ static inline __attribute__((always_inline)) void kq_pass(const int ST, const in
                                                                   const uint8_t *tile, int64_t n0, float *y) { \
         kq_pass(ST, R, m0, w, a, tile, n0, y);                                                            \
     }                                                                                                     \
+    static inline __attribute__((always_inline)) void name##_pass8(const int R, int64_t m0,                \
+                                                                   const lowbit_linear *w,                 \
+                                                                   const lowbit_qact *a,                   \
+                                                                   const uint8_t *tile, int64_t n0, float *y) { \
+        kq_pass8(ST, R, m0, w, a, tile, n0, y);                                                           \
+    }                                                                                                     \
     static __attribute__((noinline)) void name##_tiles(const lowbit_linear *w, const lowbit_qact *a,      \
                                                        int64_t m0, int64_t mc, int64_t t0, int64_t t1,    \
                                                        float *y) {                                        \
         const int64_t tile_bytes = lowbit_tile_bytes(w);                                                  \
         for (int64_t t = t0; t < t1; t++) {                                                               \
             const uint8_t *tile = w->data + t * tile_bytes;                                               \
-            ROW_PASSES(name##_pass, m0, mc, w, a, tile, t * LOWBIT_TILE, y)                               \
+            ROW_PASSES8(name##_pass8, name##_pass, m0, mc, w, a, tile, t * LOWBIT_TILE, y)                \
         }                                                                                                 \
     }
 
@@ -320,8 +385,8 @@ static inline __attribute__((always_inline)) void kq_full(const int ST, const in
         const int64_t tile_bytes = lowbit_tile_bytes(w);                                                  \
         for (int64_t t = t0; t < t1; t++) {                                                               \
             const uint8_t *tile = w->data + t * tile_bytes;                                               \
-            if (mc == 1) kq_full(ST, 1, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y);                        \
-            else if (mc == 2) kq_full(ST, 2, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y);                   \
+            if (mc == 1 && ST == LOWBIT_Q4_K) kq_full(ST, 1, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y);   \
+            else if (mc == 2 && ST == LOWBIT_Q4_K) kq_full(ST, 2, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y); \
             else                                                                                          \
                 for (int half = 0; half < 2; half++)                                                      \
                     ROW_PASSES(name##_half, m0, mc, w, a, tile, t * LOWBIT_TILE, half, y)                 \

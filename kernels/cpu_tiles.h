@@ -53,6 +53,15 @@ static inline int64_t load64(const void *p) {
         else F(1, r0, __VA_ARGS__);                                           \
     }
 
+/* Rows m0..m0+mc: passes of 8 rows by F8 (AVX-512's prompt passes) while 8 remain, the rest as
+ * ROW_PASSES does by F. The two give a row the same bits: the same integer sums, the same epilogue. */
+#define ROW_PASSES8(F8, F, m0, mc, ...)                                       \
+    {                                                                         \
+        int64_t r8 = (m0);                                                    \
+        for (; r8 + 8 <= (m0) + (mc); r8 += 8) F8(8, r8, __VA_ARGS__);        \
+        ROW_PASSES(F, r8, (m0) + (mc) - r8, __VA_ARGS__)                      \
+    }
+
 /* The activation words one row's pass reads: hl of block b, 8 k group j (int4) or 4 k group j (int8). */
 #define HL(a, row, b, j, kper) ((a)->hl + 2 * ((row) * (a)->K + (b) * 32 + (kper) * (j)))
 
