@@ -155,21 +155,29 @@ static int block_check(const lowbit_ctx *c, const lowbit_block *b) {
     return 0;
 }
 
+/* Team, rows shared out: residual += x; h = norm(residual); a = h's activation codes — one row per
+ * iteration, so a prompt's rows keep both threads busy (a 512-row prompt at 8B on one thread cost ~6%
+ * of its prefill) and a decode step's one row costs what a `single` did. */
+static void norm_quantize_rows(const float *x, int64_t sx, float *residual, int has_res, const float *w, float eps,
+                               int64_t M, int64_t dim, float *h, lowbit_qact *a) {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        lowbit_add_rms_norm(x + m * sx, sx, residual + m * dim, has_res, w, eps, 1, dim, h + m * dim);
+        for (int64_t bk = 0; bk < a->nb; bk++) lowbit_quantize_block(h + m * dim + bk * LOWBIT_BLOCK, a, m, bk);
+    }
+}
+
 /* Team: residual += delta; h = norm(residual); qkv = h @ Wqkv^T (+ b); rotary on q and k. */
 static void block_pre_team(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *delta, float *residual,
                            int has_res, const float *cos, const float *sin, float *qkv, block_ws *ws) {
     lowbit_qact a = qact_for(ws, b->dim);
-#pragma omp single
-    {
-        lowbit_add_rms_norm(delta, b->dim, residual, has_res, b->attn_norm, b->eps, M, b->dim, ws->h);
-        lowbit_quantize_rows_serial(ws->h, b->dim, &a);
-    }
+    norm_quantize_rows(delta, b->dim, residual, has_res, b->attn_norm, b->eps, M, b->dim, ws->h, &a);
     lowbit_linear_team(c, &b->qkv, &a, qkv);
     const int64_t D = b->head_dim, row = (b->n_heads + 2 * b->n_kv_heads) * D;
-#pragma omp single
-    {
-        lowbit_rotary(qkv, M, b->n_heads, row, D, D, cos, sin);
-        lowbit_rotary(qkv + b->n_heads * D, M, b->n_kv_heads, row, D, D, cos, sin);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        lowbit_rotary(qkv + m * row, 1, b->n_heads, row, D, D, cos + m * D, sin + m * D);
+        lowbit_rotary(qkv + m * row + b->n_heads * D, 1, b->n_kv_heads, row, D, D, cos + m * D, sin + m * D);
     }
 }
 
@@ -178,15 +186,10 @@ static void block_post_team(const lowbit_ctx *c, const lowbit_block *b, int64_t 
                             float *delta, block_ws *ws) {
     const int64_t I = b->hidden;
     lowbit_qact a = qact_for(ws, b->n_heads * b->head_dim);
-#pragma omp single
-    lowbit_quantize_rows_serial(attn, a.K, &a);
+    lowbit_quantize_rows(attn, a.K, &a);
     lowbit_linear_team(c, &b->o, &a, ws->o);
     a = qact_for(ws, b->dim);
-#pragma omp single
-    {
-        lowbit_add_rms_norm(ws->o, b->dim, residual, 1, b->ffn_norm, b->eps, M, b->dim, ws->h);
-        lowbit_quantize_rows_serial(ws->h, b->dim, &a);
-    }
+    norm_quantize_rows(ws->o, b->dim, residual, 1, b->ffn_norm, b->eps, M, b->dim, ws->h, &a);
     lowbit_linear_team(c, &b->gate_up, &a, ws->gu);
     a = qact_for(ws, I);
     /* silu(gate) * up and its quantization, one block of 32 at a time, shared out (expf is most of a

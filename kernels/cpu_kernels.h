@@ -178,7 +178,6 @@ size_t lowbit_qact_bytes(int64_t M, int64_t K);
 void lowbit_qact_init(lowbit_qact *a, void *mem, int64_t M, int64_t K);
 void lowbit_quantize_block(const float *xb, const lowbit_qact *a, int64_t m, int64_t b);
 void lowbit_quantize_rows(const float *x, int64_t sx, lowbit_qact *a);
-void lowbit_quantize_rows_serial(const float *x, int64_t sx, lowbit_qact *a);
 int lowbit_linear_check(const lowbit_linear *w, int64_t isa);
 int64_t lowbit_linear_rows(const lowbit_linear *w);  /* output rows of the weight and its `next`s */
 void lowbit_linear_team(const lowbit_ctx *c, const lowbit_linear *w, const lowbit_qact *a, float *y);

@@ -49,7 +49,7 @@ int lowbit_kq_check(const lowbit_linear *w) {
 
 /* One GGUF block p of type t → its unsigned codes u [group]: 4, 5 or 6 bits (w = a u + b per sub-block),
  * 32 at a time in AVX2 registers (a load's repack is a pass over every weight: 4.35 GB at 8B). */
-static void block_codes(int64_t t, const uint8_t *p, uint8_t *u) {
+static inline __attribute__((always_inline)) void block_codes(const int64_t t, const uint8_t *p, uint8_t *u) {
     const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
 #define LOAD(q) _mm256_loadu_si256((const __m256i *)(q))
 #define STORE(q, v) _mm256_storeu_si256((__m256i *)(q), v)
@@ -97,7 +97,7 @@ static void block_codes(int64_t t, const uint8_t *p, uint8_t *u) {
 }
 
 /* Row r's part of a group's header, from its GGUF block p. */
-static void put_header(int64_t t, const uint8_t *p, uint8_t *hdr, int r) {
+static inline __attribute__((always_inline)) void put_header(const int64_t t, const uint8_t *p, uint8_t *hdr, int r) {
     switch (t) {
         case LOWBIT_Q4_K: case LOWBIT_Q5_K:
             memcpy(hdr + 2 * r, p, 2), memcpy(hdr + 32 + 2 * r, p + 2, 2);
@@ -117,9 +117,10 @@ static void put_header(int64_t t, const uint8_t *p, uint8_t *hdr, int r) {
 
 /* Row r's codes u [group] into the group's blocks of code bytes (cpu_kernels.h kind 4). Per block of 32:
  * the nibble bytes [j][r][i] = u[8j + i] | u[8j + 4 + i] << 4 by two byte shuffles; the high-bit planes'
- * byte [r][i] gathers bit 4 (and 5) of u[4v + i] for v = 0..7 — a movemask puts bit 4 of every u in one
- * word, whose bits i, i + 4, ... pext collects (BMI2, every AVX2 CPU has it). */
-static void put_codes(int64_t t, const uint8_t *u, uint8_t *codes, int r) {
+ * byte [r][i] gathers bit 4 (and 5) of u[4v + i] for v = 0..7 — for 5-bit codes a movemask puts bit 4 of
+ * every u in one word, whose bits i, i + 4, ... pext collects (BMI2, every AVX2 CPU has it); for 6-bit
+ * ones, shifts and ORs of the half's four words (a pext per byte ran Q6_K's repack at 1.9 GB/s). */
+static inline __attribute__((always_inline)) void put_codes(const int64_t t, const uint8_t *u, uint8_t *codes, int r) {
     if (t == Q8_0) {  /* int8 tiles: byte [j][r][i] = u[4j + i], 8 chunks of 64 bytes */
         for (int j = 0; j < 8; j++) memcpy(codes + 64 * j + 4 * r, u + 4 * j, 4);
         return;
@@ -141,23 +142,28 @@ static void put_codes(int64_t t, const uint8_t *u, uint8_t *codes, int r) {
         _mm_storeu_si128((__m128i *)words, nib);
         for (int j = 0; j < 4; j++) memcpy(cb + 64 * j + 4 * r, &words[j], 4);
         if (t == LOWBIT_Q4_K || t == Q4_0 || t == Q4_1) continue;
-        const uint32_t b4 = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(ub, 3));  /* bit k: bit 4 of u[k] */
         if (t != LOWBIT_Q6_K) {
+            const uint32_t b4 = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(ub, 3));  /* bit k: bit 4 of u[k] */
             for (int i = 0; i < 4; i++) cb[256 + 4 * r + i] = (uint8_t)_pext_u32(b4, 0x11111111u << i);
             continue;
         }
-        const uint32_t b5 = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(ub, 2));  /* bit 5 of u[k] */
-        for (int h = 0; h < 2; h++)  /* plane h: v = 4h..4h+3, codes k = 4v + i in the block's half h */
-            for (int i = 0; i < 4; i++) {
-                const uint32_t sel = 0x1111u << (16 * h + i);
-                cb[256 + 64 * h + 4 * r + i] = (uint8_t)(_pdep_u32(_pext_u32(b4, sel), 0x55) | _pdep_u32(_pext_u32(b5, sel), 0xAA));
-            }
+        /* plane h: byte i = sum over v of f(u[16 h + 4 v + i]) << 2 v, f = bits 4-5: the half's 16 bytes as
+         * four words, each shifted by 2 v (f <= 3, so nothing crosses a byte) and OR-ed into the first */
+        for (int h = 0; h < 2; h++) {
+            const __m128i f = _mm_and_si128(_mm_srli_epi16(h ? u1 : u0, 4), _mm_set1_epi8(3));
+            const __m128i p = _mm_or_si128(_mm_or_si128(f, _mm_slli_epi32(_mm_srli_si128(f, 4), 2)),
+                                           _mm_or_si128(_mm_slli_epi32(_mm_srli_si128(f, 8), 4),
+                                                        _mm_slli_epi32(_mm_srli_si128(f, 12), 6)));
+            const uint32_t word = (uint32_t)_mm_cvtsi128_si32(p);
+            memcpy(cb + 256 + 64 * h + 4 * r, &word, 4);
+        }
     }
 }
 
 /* One tile: rows[r] the GGUF bytes of its row r (r < n <= 16) → out. Rows past n are zero weights, as
  * kernels/int4_mm.py and int8_mm.py pad them (int4: codes 8; int8: codes 128, q = 0; scales 0). */
-static void pack_tile(const lowbit_linear *w, int64_t t, const uint8_t *const *rows, int64_t n, uint8_t *out) {
+static inline __attribute__((always_inline)) void pack_tile_of(const int64_t t, const lowbit_linear *w,
+                                                                 const uint8_t *const *rows, int64_t n, uint8_t *out) {
     const int64_t G = w->K / w->group, fb = file_bytes(t);
     uint8_t u[256] __attribute__((aligned(32)));
     if (n < LOWBIT_TILE) memset(out, 0, (size_t)lowbit_tile_bytes(w));
@@ -175,6 +181,18 @@ static void pack_tile(const lowbit_linear *w, int64_t t, const uint8_t *const *r
             memset(u, t == Q4_0 ? 8 : 128, 32);
             for (int r = (int)n; r < LOWBIT_TILE; r++) put_codes(t, u, codes, r);
         }
+    }
+}
+
+/* pack_tile_of compiled once per type (a constant t: its decoding inlined, no branch on the type per
+ * block): repack of 8192x2048 in memory, 2 threads, AMD EPYC Zen 4: Q4_0 2.8 -> 3.2 GB/s, Q6_K 3.2 -> 3.7. */
+static void pack_tile(const lowbit_linear *w, int64_t t, const uint8_t *const *rows, int64_t n, uint8_t *out) {
+    switch (t) {
+#define TYPE(T) case T: pack_tile_of(T, w, rows, n, out); return;
+        TYPE(Q4_0) TYPE(Q4_1) TYPE(Q8_0) TYPE(LOWBIT_Q4_K) TYPE(LOWBIT_Q5_K) TYPE(LOWBIT_Q6_K) TYPE(LOWBIT_Q5_0)
+        TYPE(LOWBIT_Q5_1)
+#undef TYPE
+        default: return;
     }
 }
 

@@ -27,6 +27,7 @@
 
 #define IS_Q5(ST) ((ST) == LOWBIT_Q5_K || (ST) == LOWBIT_Q5_0 || (ST) == LOWBIT_Q5_1)
 #define HAS_DMIN(ST) ((ST) == LOWBIT_Q4_K || (ST) == LOWBIT_Q5_K)
+#define HAS_M(ST) ((ST) == LOWBIT_Q5_1)  /* a per-block min m: y + m sS */
 
 /* Q4_K / Q5_K: block j's 6-bit scales and mins of the 16 rows (bytes), from the header's 12 packed bytes
  * a row (byte i of the 16 rows at 64 + 16 i), GGUF's get_scale_min_k4 on 16 rows at once. */
@@ -111,7 +112,7 @@ static inline __attribute__((always_inline)) __m512 kq_epilogue(const int ST, __
     const __m512 a = ST == LOWBIT_Q6_K && half ? s1 : s0;
     acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(T), _mm512_mul_ps(a, _mm512_set1_ps(q->s))));
     if (HAS_DMIN(ST)) acc = _mm512_sub_ps(acc, _mm512_mul_ps(s1, _mm512_set1_ps(q->sS)));
-    if (ST == LOWBIT_Q5_1) acc = _mm512_add_ps(acc, _mm512_mul_ps(s1, _mm512_set1_ps(q->sS)));
+    if (HAS_M(ST)) acc = _mm512_add_ps(acc, _mm512_mul_ps(s1, _mm512_set1_ps(q->sS)));
     return acc;
 }
 
@@ -125,7 +126,7 @@ static inline __attribute__((always_inline)) void kq_pass(const int ST, const in
     for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
         const uint8_t *hdr = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hdr));
-        const __m512 dm = HAS_DMIN(ST) || ST == LOWBIT_Q5_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 32))) : d;
+        const __m512 dm = HAS_DMIN(ST) || HAS_M(ST) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 32))) : d;
         for (int64_t bb = 0; bb < nbg; bb++) {
             const int64_t b = gi * nbg + bb;
             const uint8_t *cb = codes + bb * BB;
@@ -177,7 +178,7 @@ static inline __attribute__((always_inline)) void kq_pass8(const int ST, const i
     for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
         const uint8_t *hdr = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hdr));
-        const __m512 dm = HAS_DMIN(ST) || ST == LOWBIT_Q5_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 32))) : d;
+        const __m512 dm = HAS_DMIN(ST) || HAS_M(ST) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 32))) : d;
         for (int64_t bb = 0; bb < nbg; bb++) {
             const int64_t b = gi * nbg + bb;
             const uint8_t *cb = codes + bb * BB;

@@ -75,9 +75,10 @@ def _isas(k):
                                       ("int4-g128", 16, 256), ("int8-g32", 40, 96), ("int8", 33, 104),
                                       ("int8-g128", 17, 256)])
 def test_rows_are_independent_of_the_batch_and_the_isa_bit_for_bit(name, N, K):
-    """Row i of an M-row call equals a one-row call on row i, for M = 1..19 (across the row passes of
-    every instruction set), and every instruction set gives the torch spec's bits — with a zero row,
-    a zero block and a row of tiny values among them. N = 33, 40, 17: a last tile padded to 16 rows."""
+    """Row i of an M-row call equals a one-row call on row i, for M = 1..19 and 64 (across the row passes
+    of every instruction set; 64 rows: a prompt's), and every instruction set gives the torch spec's
+    bits — with a zero row, a zero block and a row of tiny values among them. N = 33, 40, 17: a last
+    tile padded to 16 rows."""
     k = _kernels()
     spec = parse_weights(name)
     g = torch.Generator().manual_seed(N + K)
@@ -89,14 +90,14 @@ def test_rows_are_independent_of_the_batch_and_the_isa_bit_for_bit(name, N, K):
         p = int8_pack(w.qweight, w.scales, K, native=k)
         qw = torch.nn.functional.pad(w.qweight, (0, p.padded_shape[1] - w.qweight.shape[1]))
         want_fn = lambda x: int8_mm_fast_ref(x, qw, w.scales)  # noqa: E731
-    x = torch.nn.functional.pad(torch.randn(19, K, generator=g) * 3, (0, p.padded_shape[1] - K))
+    x = torch.nn.functional.pad(torch.randn(64, K, generator=g) * 3, (0, p.padded_shape[1] - K))
     x[2], x[5, :32], x[7] = 0, 0, x[7] * 1e-30
     want = want_fn(x)
     assert len(k.isas) >= 1 and "avx2" in k.isas
     for kk in _isas(k):
-        alone = torch.cat([kk.linear_mm(x[i:i + 1], p.c_desc()) for i in range(19)])[:, :N]
+        alone = torch.cat([kk.linear_mm(x[i:i + 1], p.c_desc()) for i in range(64)])[:, :N]
         assert torch.equal(alone, want), kk.isa
-        for M in range(2, 20):
+        for M in [*range(2, 20), 64]:
             assert torch.equal(kk.linear_mm(x[:M], p.c_desc())[:, :N], alone[:M]), (kk.isa, M)
 
 

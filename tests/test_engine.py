@@ -247,3 +247,34 @@ def test_kv_bytes_per_token_match_the_formula(name):
     assert per_token == fmt.bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim)
     if name == "k8v4":
         assert per_token <= 0.42 * f16
+
+
+def test_the_pool_follows_the_model_and_a_refused_prompt_names_the_flag(monkeypatch):
+    """With no --kv-memory the pool holds one whole context of the model (SmolLM2-1.7B's shapes at 8,192
+    tokens: ~650 MB in k8v4, where a fixed 256 MiB held 3,296 tokens) unless half the free memory is
+    less, and never less than 256 MiB; the size is said in one line; a prompt longer than the pool is
+    refused naming --kv-memory."""
+    from lowbit.runtime.engine import engine as engine_mod
+    from lowbit.runtime.engine.config import DEFAULT_KV_MEMORY
+
+    big = LlamaConfig(arch="llama", dim=2048, n_layers=24, n_heads=32, n_kv_heads=32, head_dim=64, hidden_dim=8192,
+                      vocab_size=49152, norm_eps=1e-5, rope_theta=1e5, max_seq_len=8192, tie_embeddings=True)
+    per_token = KV_FORMATS["k8v4"].bytes_per_token(big.n_layers, big.n_kv_heads, big.head_dim)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(engine_mod, "free_memory", lambda device: 64 << 30)
+    whole = engine_mod.kv_budget(None, cpu, per_token, 8192)
+    assert whole >= per_token * 8192 and whole > DEFAULT_KV_MEMORY
+    monkeypatch.setattr(engine_mod, "free_memory", lambda device: 600 << 20)  # half of it: less than a context
+    assert engine_mod.kv_budget(None, cpu, per_token, 8192) == 300 << 20
+    monkeypatch.setattr(engine_mod, "free_memory", lambda device: 100 << 20)
+    assert engine_mod.kv_budget(None, cpu, per_token, 8192) == DEFAULT_KV_MEMORY
+    assert engine_mod.kv_budget(None, cpu, 10, 128) == DEFAULT_KV_MEMORY  # a tiny model: the floor
+    assert engine_mod.kv_budget(1 << 20, cpu, per_token, 8192) == 1 << 20  # a size given is kept
+
+    tiny = Llama(CFG, random_weights(CFG, "int4-g32", "int8-g32", seed=0, scale=0.1)).eval()
+    eng = Engine(tiny, ByteTokenizer(), EngineConfig(kv_memory=4 * KV_FORMATS["k8v4"].bytes_per_token(
+        CFG.n_layers, CFG.n_kv_heads, CFG.head_dim) * 16))  # 4 pages: 64 tokens
+    assert eng.describe_pool().startswith("KV cache k8v4: ") and "64 tokens" in eng.describe_pool()
+    assert "--kv-memory" in eng.describe_pool()
+    with pytest.raises(ValueError, match="--kv-memory"):
+        eng.add_request(list(range(1, 100)), GREEDY)

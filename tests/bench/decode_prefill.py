@@ -12,7 +12,7 @@ engines' own counters.
 
 - prefill: the first 512 tokens of --text (lowbit's tokenizer, no special tokens) in one call, last
   logits only. lowbit: one chunk of 512 through the runner into a fresh k8v4 pool, as the engine
-  prefills a prompt (exact path for prompt tokens). llama.cpp: reset(); eval(ids) — reset sets
+  prefills a prompt (the integer kernels, blocked over the prompt's rows). llama.cpp: reset(); eval(ids) — reset sets
   n_tokens = 0, so eval drops the whole KV cache and decodes all 512 tokens again in one llama_decode
   (n_batch = n_ubatch = 512).
   tok/s = 512 / seconds.
