@@ -18,7 +18,6 @@ from functools import partial
 from typing import Callable
 
 import torch
-from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from lowbit.kernels.exact_mm import exact_linear, takes_exact
@@ -26,13 +25,13 @@ from lowbit.kernels.ggml_mm import GgmlPacked, ggml_mm, ggml_pack
 from lowbit.kernels.ggml_triton import GgmlTritonPacked, ggml_triton_mm, ggml_triton_pack, ggml_triton_rows
 from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack, int4_packed_rows
 from lowbit.kernels.int8_mm import Int8Packed, int8_mm, int8_pack
-from lowbit.kernels.kq_mm import KQ_TYPES, KqPacked, kq_mm, kq_pack, tiles_pack_rows
+from lowbit.kernels.kq_mm import KqPacked, kq_mm
 from lowbit.kernels.segments import Segments
-from lowbit.kernels.tile_layout import TILE, tile_bytes
 from lowbit.kernels.wq_mm import wq_mm, wq_pack_int4, wq_pack_int8, wq_rows
 from lowbit.quant import BnbWeight, FloatWeight, Int4Weight, Int8Weight, Weight
-from lowbit.quant.ggml import RELAID, FileRelaid
-from lowbit.quant.ggml_block import FileBlocks, GgmlWeight, as_blocks, concat_rows
+from lowbit.quant.ggml import FileRelaid
+from lowbit.quant.ggml_block import GgmlWeight, concat_rows
+from lowbit.quant.ggml_tiles import cpu_pack_rows
 from lowbit.quant.gptq import PermutedWeight
 
 
@@ -56,7 +55,7 @@ class LinearKernels:
 
 def _cpu_pack(weight: Weight, native):
     if isinstance(weight, FileRelaid) and weight.unread and native is not None:  # straight from the file
-        return _cpu_pack_rows([weight], native)
+        return cpu_pack_rows([weight], native)
     if isinstance(weight, Int4Weight):
         return int4_pack(weight.codes(), weight.scales, weight.mins, weight.spec.group_size, weight.in_features,
                          native=native)
@@ -70,67 +69,10 @@ def _cpu_pack(weight: Weight, native):
 def _ggml_pack(weight: GgmlWeight, native):
     """GGML blocks → lowbit's tiles where the C kernels are there and take every run (kernels/kq_mm.py;
     Q4_0/Q4_1/Q8_0 runs as int4/int8 tiles), else the file's blocks as they are (kernels/ggml_mm.py)."""
-    tiled = _cpu_pack_rows([weight], native)
+    tiled = cpu_pack_rows([weight], native)
     if tiled is not None:
         return tiled
     return ggml_pack(weight.data, weight.qtype, weight.in_features, weight.data2, weight.qtype2, native=native)
-
-
-def _rows_of(w) -> list[tuple[int, object]] | None:
-    """A weight's runs of GGML rows as (type, rows): rows still in the file (their `source`) where nothing
-    has read them, else uint8 [n, row bytes] in memory; None for a layout that is not GGML blocks."""
-    if isinstance(w, (FileBlocks, FileRelaid)) and w.unread:
-        return [(w.qtype, w.source)]
-    if isinstance(w, (Int4Weight, Int8Weight)):
-        w = as_blocks(w)  # Q4_0 / Q4_1 / Q8_0 values as their blocks again (None for other layouts)
-    if not isinstance(w, GgmlWeight):
-        return None
-    return [(w.qtype, w.data)] + ([(w.qtype2, w.data2)] if w.data2 is not None else [])
-
-
-def _cpu_pack_rows(weights: list, native):
-    """Weights that read one input (QKV, gate+up; or one weight alone) of GGML types → their rows stacked
-    in tiles (kernels/kq_mm.py, int4_mm.py, int8_mm.py), each run packed straight from its own bytes by
-    C — from the file where nothing has read them — with no stacked copy first; several types: Segments
-    (kernels/segments.py). None where the C kernels are not there, a layout is not GGML blocks, a type
-    has no tiles (Q2_K, Q3_K, IQ4_*) or a run before the last is not whole 16-row tiles."""
-    if native is None or any(w.in_features != weights[0].in_features for w in weights):
-        return None
-    items = [_rows_of(w) for w in weights]
-    if any(i is None for i in items):
-        return None
-    K, runs = weights[0].in_features, []  # [(type, [rows, ...])], consecutive rows of one type together
-    for qtype, rows in (x for item in items for x in item):
-        if runs and runs[-1][0] == qtype:
-            runs[-1][1].append(rows)
-        else:
-            runs.append((qtype, [rows]))
-    parts, matmuls = [], []
-    for i, (qtype, rows) in enumerate(runs):
-        sizes = [r.shape[0] if isinstance(r, torch.Tensor) else r.N for r in rows]
-        if (i < len(runs) - 1 and sum(sizes) % TILE) or any(n % TILE for n in sizes[:-1]) or len(runs) > 4:
-            return None
-        if qtype in KQ_TYPES and K % KQ_TYPES[qtype][0] == 0:
-            parts.append(kq_pack(rows, qtype, K, native=native))
-            matmuls.append(kq_mm)
-        elif qtype in RELAID and K % 32 == 0:
-            parts.append(_relaid_tiles(rows, qtype, K, native))
-            matmuls.append(int8_mm if qtype == T.Q8_0 else int4_mm)
-        else:
-            return None
-    return parts[0] if len(parts) == 1 else Segments(parts, matmuls, native)
-
-
-def _relaid_tiles(rows: list, qtype: int, K: int, native):
-    """Q4_0 / Q4_1 / Q8_0 rows → the int4 / int8 tiles their Int4Weight / Int8Weight would pack into
-    (kernels/int4_mm.py int4_pack, int8_mm.py int8_pack), byte for byte, by the C repack."""
-    G = K // 32
-    if qtype == T.Q8_0:
-        out, N = tiles_pack_rows(rows, qtype, K, tile_bytes(G, 32, 512), native)
-        return Int8Packed(out, 32, 2, N, K, K, native)
-    symmetric = qtype == T.Q4_0
-    out, N = tiles_pack_rows(rows, qtype, K, tile_bytes(G, 32 if symmetric else 64, 256), native)
-    return Int4Packed(out, 32, symmetric, N, K, K, native)
 
 
 def _cpu_matmul(x: torch.Tensor, w, exact: bool | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -177,9 +119,9 @@ def cpu_kernels(native) -> LinearKernels:
     # A table is packed as any weight: the tied head multiplies that form and the lookups read it, so it
     # is held once (int4/int8 tiles, GGML blocks; a plain copy for lookups would double its bytes).
     pack = partial(_cpu_pack, native=native)
-    return LinearKernels(pack, _cpu_matmul, pack,
-                         _cpu_rows, lambda w: isinstance(w, (Int8Packed, Int4Packed, GgmlPacked, KqPacked, FloatWeight)),
-                         partial(_cpu_pack_rows, native=native))
+    shares = (Int8Packed, Int4Packed, GgmlPacked, KqPacked, FloatWeight)
+    return LinearKernels(pack, _cpu_matmul, pack, _cpu_rows, lambda w: isinstance(w, shares),
+                         partial(cpu_pack_rows, native=native))
 
 
 def triton_kernels(device: torch.device) -> LinearKernels:

@@ -115,12 +115,12 @@ def test_q4_0_q4_1_q8_0_repack_into_the_int4_and_int8_tiles(qtype, N):
     """The C repack of Q4_0 / Q4_1 / Q8_0 blocks (what a load does, from the file) writes the bytes that
     relaying them into int4 / int8 and packing those gives (kernels/int4_mm.py int4_pack, int8_mm.py
     int8_pack), padding rows included."""
-    from lowbit.quant.linear import _relaid_tiles
+    from lowbit.quant.ggml_tiles import relaid_tiles
 
     k = _kernels()
     K = 96
     blocks = random_blocks(qtype, N, K, seed=3)
-    got = _relaid_tiles([blocks], int(qtype), K, k)
+    got = relaid_tiles([blocks], int(qtype), K, k)
     r = relayout(blocks.numpy(), qtype, N, K)
     want = int8_pack(r.qweight, r.scales, K, native=k) if qtype == T.Q8_0 else \
         int4_pack(r.codes(), r.scales, r.mins, 32, K, native=k)
@@ -159,13 +159,13 @@ def test_a_repack_reads_the_rows_from_the_file_in_the_order_asked(tmp_path):
 def test_runs_of_two_types_multiply_as_one():
     """A fused weight whose rows come in runs of different types (Q4_K, then Q6_K, then Q8_0 in the int8
     tiles) gives each run's own rows, bit for bit, on the fast path and on the exact one."""
-    from lowbit.quant.linear import _relaid_tiles
+    from lowbit.quant.ggml_tiles import relaid_tiles
 
     k = _kernels()
     K = 256
     parts = [kq_pack(random_blocks(T.Q4_K, 32, K, 6), int(T.Q4_K), K, native=k),
              kq_pack(random_blocks(T.Q6_K, 16, K, 7), int(T.Q6_K), K, native=k),
-             _relaid_tiles([random_blocks(T.Q8_0, 24, K, 8)], int(T.Q8_0), K, k)]
+             relaid_tiles([random_blocks(T.Q8_0, 24, K, 8)], int(T.Q8_0), K, k)]
     seg = Segments(parts, [kq_mm, kq_mm, int8_mm], k)
     assert seg.out_features == 72
     x = torch.randn(19, K, generator=torch.Generator().manual_seed(9))
