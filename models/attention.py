@@ -19,6 +19,11 @@ from lowbit.kernels.kv_write import kv_write
 from lowbit.kernels.paged_attention import batch_tensors, paged_attention, split_rows
 
 GATHER_PAGES = 1024  # pages read and dequantized at once (16-token pages, k8v4: ~25 MB of fp32, transient)
+# A sequence's chunk of at most this many new tokens is attended row by row by the C kernel, as decode
+# rows are (each row its own keys up to its position), not gathered for SDPA: a short prompt then runs
+# its whole step in one C call (1.7B shapes, 16-token prompt: SDPA and its gathers cost ~30 ms of a
+# ~230 ms first token), and its rows are the ones decoding the same tokens one by one would give.
+C_ROWS_MAX = 32
 
 
 @dataclass
@@ -88,15 +93,16 @@ class PagedAttention:
 
     def _plan(self, batch: PagedBatch, pool) -> None:
         """CPU: which query rows lowbit's C kernel attends straight from the quantized pages
-        (kernels/cpu_attention.c: every row that is one token's query — a decode step, or a
-        speculative row attended one by one — when the C kernels are built), and the groups of the
-        other sequences, whose pages are read and dequantized together for SDPA, once per step."""
+        (kernels/cpu_attention.c: every row of a sequence bringing at most C_ROWS_MAX tokens — a decode
+        step, a short prompt, speculative rows attended one by one — when the C kernels are built), and
+        the groups of the other sequences, whose pages are read and dequantized together for SDPA, once
+        per step."""
         one_by_one = batch.one_by_one or [False] * len(batch.query_lens)
         starts = [0]
         for n in batch.query_lens:
             starts.append(starts[-1] + n)
         self.native = self.kernels if pool.rot is None or self.rot is not None else None
-        by_c = [self.native is not None and (n == 1 or one) for n, one in zip(batch.query_lens, one_by_one)]
+        by_c = [self.native is not None and (n <= C_ROWS_MAX or one) for n, one in zip(batch.query_lens, one_by_one)]
         self.rows = [(i, starts[i]) for i in range(len(by_c)) if not by_c[i]]  # (sequence, first row), SDPA
         budget = 1 if pool.rot is not None and self.rot is None else GATHER_PAGES
         self.groups = _groups([len(batch.block_tables[i]) for i, _ in self.rows], budget)

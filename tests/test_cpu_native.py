@@ -359,10 +359,12 @@ def test_exact_path_in_row_ranges(name, monkeypatch):
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "k8v4", "k4v4"])
-def test_one_call_paged_step_equals_the_block_by_block_step(kv):
+def test_one_call_paged_step_equals_the_block_by_block_step(kv, monkeypatch):
     """A decode step over the paged, quantized pool in one C call (every block: fused halves,
     quantize-on-write, paged attention) gives the logits and the pool contents, bit for bit, that the
-    block-by-block path gives; a step with a prefill chunk in it takes the block-by-block path."""
+    block-by-block path gives; so does a step with a short prompt chunk in it (its rows attended one by
+    one in C, models/attention.py C_ROWS_MAX); a chunk longer than that takes the block-by-block path."""
+    import lowbit.models.attention as attention
     from lowbit.models.attention import PagedAttention, PagedBatch
     from lowbit.quant.kv import KV_FORMATS
     from lowbit.runtime.engine.kv_cache import KVPool
@@ -405,6 +407,9 @@ def test_one_call_paged_step_equals_the_block_by_block_step(kv):
             for key, t in pa.side(layer, side).tensors().items():
                 assert torch.equal(t, getattr(pb.side(layer, side), key)), (side, key)
     tokens = torch.randint(0, 80, (5,), generator=g)
+    (a, _, all_c), (b, _, _) = step(True, [1, 3, 1]), step(False, [1, 3, 1])
+    assert all_c and torch.equal(a, b)
+    monkeypatch.setattr(attention, "C_ROWS_MAX", 2)  # the 3-token chunk is now a long one: SDPA
     (a, _, all_c), (b, _, _) = step(True, [1, 3, 1]), step(False, [1, 3, 1])
     assert not all_c and torch.equal(a, b)
 
