@@ -116,38 +116,53 @@ static inline __attribute__((always_inline)) __m512 kq_epilogue(const int ST, __
     return acc;
 }
 
+/* A group's super-scales d and dmin (m for Q5_1; d again where there is none), 16 rows. */
+static inline __attribute__((always_inline)) void kq_group(const int ST, const uint8_t *hdr, __m512 *d, __m512 *dm) {
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hdr));
+    *dm = HAS_DMIN(ST) || HAS_M(ST) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 32))) : *d;
+}
+
+/* What a pass needs of block bb of a group: its codes, its scale vectors, its codes' high-bit planes. */
+typedef struct {
+    const uint8_t *cb;
+    __m512 s0, s1;
+    __m512i p0, p1;
+} kq_block512;
+
+static inline __attribute__((always_inline)) kq_block512 kq_block(const int ST, const uint8_t *hdr,
+                                                                  const uint8_t *codes, int64_t bb, __m512 d,
+                                                                  __m512 dm) {
+    kq_block512 k;
+    k.cb = codes + bb * lowbit_kq_block(ST);
+    kq_scales(ST, hdr, bb, d, dm, &k.s0, &k.s1);
+    k.p0 = ST == LOWBIT_Q4_K ? _mm512_setzero_si512() : VLOAD(k.cb + 256);
+    k.p1 = ST == LOWBIT_Q6_K ? VLOAD(k.cb + 320) : k.p0;
+    return k;
+}
+
 static inline __attribute__((always_inline)) void kq_pass(const int ST, const int R, int64_t m0,
                                                           const lowbit_linear *w, const lowbit_qact *a,
                                                           const uint8_t *tile, int64_t n0, float *y) {
-    const int64_t G = w->K / w->group, nbg = w->group / 32, BB = lowbit_kq_block(ST);
+    const int64_t G = w->K / w->group, nbg = w->group / 32;
     __m512 acc[RMAX];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     lowbit_group_walk walk = lowbit_walk(w, tile);
     for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
         const uint8_t *hdr = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hdr));
-        const __m512 dm = HAS_DMIN(ST) || HAS_M(ST) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 32))) : d;
+        __m512 d, dm;
+        kq_group(ST, hdr, &d, &dm);
         for (int64_t bb = 0; bb < nbg; bb++) {
             const int64_t b = gi * nbg + bb;
-            const uint8_t *cb = codes + bb * BB;
-            __m512 s0, s1;
-            kq_scales(ST, hdr, bb, d, dm, &s0, &s1);
-            const __m512i p0 = ST == LOWBIT_Q4_K ? _mm512_setzero_si512() : VLOAD(cb + 256);
-            const __m512i p1 = ST == LOWBIT_Q6_K ? VLOAD(cb + 320) : p0;
+            const kq_block512 k = kq_block(ST, hdr, codes, bb, d, dm);
+            const uint8_t *cb = k.cb;
+            const __m512 s0 = k.s0, s1 = k.s1;
+            const __m512i p0 = k.p0, p1 = k.p1;
             __m512i th[RMAX], tl[RMAX];
             for (int r = 0; r < R; r++) th[r] = tl[r] = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++) {
                 const __m512i v = VLOAD(cb + 64 * j);
                 const __m512i lo = kq_codes(ST, v, p0, p1, j, 0), hi = kq_codes(ST, v, p0, p1, j, 1);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *p = HL(a, m0 + r, b, j, 8);  /* h, l of k 8j..8j+3, then of 8j+4..8j+7 */
-                    th[r] = dpbusd_b(th[r], lo, p);
-                    tl[r] = dpbusd_b(tl[r], lo, p + 4);
-                    th[r] = dpbusd_b(th[r], hi, p + 8);
-                    tl[r] = dpbusd_b(tl[r], hi, p + 12);
-                    KEEP(th[r]);
-                    KEEP(tl[r]);
-                }
+                planes_dot(R, th, tl, lo, hi, a, m0, b, j);
                 if (ST == LOWBIT_Q6_K && j == 1)  /* the first 16 k: its own scale */
                     for (int r = 0; r < R; r++) {
                         acc[r] = kq_epilogue(ST, acc[r], _mm512_add_epi32(_mm512_slli_epi32(th[r], 8), tl[r]), s0, s1,
@@ -170,22 +185,21 @@ static inline __attribute__((always_inline)) void kq_pass(const int ST, const in
 static inline __attribute__((always_inline)) void kq_pass8(const int ST, const int R, int64_t m0,
                                                            const lowbit_linear *w, const lowbit_qact *a,
                                                            const uint8_t *tile, int64_t n0, float *y) {
-    const int64_t G = w->K / w->group, nbg = w->group / 32, BB = lowbit_kq_block(ST);
+    const int64_t G = w->K / w->group, nbg = w->group / 32;
     const int halves = ST == LOWBIT_Q6_K ? 2 : 1, per = 8 / halves;  /* code vectors per half */
     __m512 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     lowbit_group_walk walk = lowbit_walk(w, tile);
     for (int64_t gi = 0; gi < G; lowbit_walk_next(&walk, gi++)) {
         const uint8_t *hdr = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hdr));
-        const __m512 dm = HAS_DMIN(ST) || HAS_M(ST) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 32))) : d;
+        __m512 d, dm;
+        kq_group(ST, hdr, &d, &dm);
         for (int64_t bb = 0; bb < nbg; bb++) {
             const int64_t b = gi * nbg + bb;
-            const uint8_t *cb = codes + bb * BB;
-            __m512 s0, s1;
-            kq_scales(ST, hdr, bb, d, dm, &s0, &s1);
-            const __m512i p0 = ST == LOWBIT_Q4_K ? _mm512_setzero_si512() : VLOAD(cb + 256);
-            const __m512i p1 = ST == LOWBIT_Q6_K ? VLOAD(cb + 320) : p0;
+            const kq_block512 k = kq_block(ST, hdr, codes, bb, d, dm);
+            const uint8_t *cb = k.cb;
+            const __m512 s0 = k.s0, s1 = k.s1;
+            const __m512i p0 = k.p0, p1 = k.p1;
             const int8_t *x[8];  /* each row's activation words of this block */
             for (int r = 0; r < R; r++) x[r] = HL(a, m0 + r, b, 0, 8);
 #pragma GCC unroll 2
@@ -323,19 +337,7 @@ static inline __attribute__((always_inline)) void kq_full(const int ST, const in
                     const __m256i v = VLOAD(cb + 64 * j + 32 * h);
                     lo[h] = kq_codes(ST, v, p0[h], p1[h], j, 0), hi[h] = kq_codes(ST, v, p0[h], p1[h], j, 1);
                 }
-                for (int r = 0; r < R; r++) {
-                    const int8_t *p = HL(a, m0 + r, b, j, 8);
-                    const __m256i h0 = _mm256_set1_epi32(load32(p)), l0 = _mm256_set1_epi32(load32(p + 4));
-                    const __m256i h1 = _mm256_set1_epi32(load32(p + 8)), l1 = _mm256_set1_epi32(load32(p + 12));
-                    for (int h = 0; h < H; h++) {
-                        th[h][r] = MADD4(MADD4(th[h][r], lo[h], h0), hi[h], h1);
-                        tl[h][r] = MADD4(MADD4(tl[h][r], lo[h], l0), hi[h], l1);
-                    }
-                    for (int h = 0; h < H; h++) {
-                        KEEP(th[h][r]);
-                        KEEP(tl[h][r]);
-                    }
-                }
+                planes_dot(R, H, th, tl, lo, hi, a, m0, b, j);
 #if LB_ISA == 1
                 if ((j + 1) % FLUSH_EVERY(ST) == 0)
                     for (int h = 0; h < H; h++)

@@ -80,6 +80,21 @@ static inline __m512i dpbusd_b(__m512i acc, __m512i u, const void *p) {
 }
 #endif
 
+/* One 64-byte chunk j of a block's int4-style codes against R rows: the low nibbles (k 8j..8j+3) and the
+ * high ones (k 8j+4..8j+7) times each row's h and l planes, into its th and tl sums. */
+static inline __attribute__((always_inline)) void planes_dot(const int R, __m512i *th, __m512i *tl, __m512i lo,
+                                                             __m512i hi, const lowbit_qact *a, int64_t m0,
+                                                             int64_t b, int j) {
+    for (int r = 0; r < R; r++) {
+        const int8_t *p = HL(a, m0 + r, b, j, 8);  /* h, l of k 8j..8j+3, then of 8j+4..8j+7 */
+        th[r] = dpbusd_b(th[r], lo, p);
+        tl[r] = dpbusd_b(tl[r], lo, p + 4);
+        th[r] = dpbusd_b(th[r], hi, p + 8);
+        tl[r] = dpbusd_b(tl[r], hi, p + 12);
+        KEEP(th[r]);
+        KEEP(tl[r]);
+    }
+}
 #else
 /* acc + the products of u8 codes and s8 activations, 4 by 4 (int16 pair sums on AVX2, int32 with VNNI). */
 #if LB_ISA == 1
@@ -96,6 +111,26 @@ static inline __m256i planes_sum(__m256i th, __m256i tl) {
 #else
     return _mm256_add_epi32(_mm256_slli_epi32(th, 8), tl);
 #endif
+}
+
+/* The same on 256 bits: chunk j's two halves (H of them, lo[h], hi[h]) against R rows, each broadcast
+ * of a row's activation words serving every half. */
+static inline __attribute__((always_inline)) void planes_dot(const int R, const int H, __m256i th[][4],
+                                                             __m256i tl[][4], const __m256i *lo, const __m256i *hi,
+                                                             const lowbit_qact *a, int64_t m0, int64_t b, int j) {
+    for (int r = 0; r < R; r++) {
+        const int8_t *p = HL(a, m0 + r, b, j, 8);
+        const __m256i h0 = _mm256_set1_epi32(load32(p)), l0 = _mm256_set1_epi32(load32(p + 4));
+        const __m256i h1 = _mm256_set1_epi32(load32(p + 8)), l1 = _mm256_set1_epi32(load32(p + 12));
+        for (int h = 0; h < H; h++) {  /* each broadcast serves both halves */
+            th[h][r] = MADD4(MADD4(th[h][r], lo[h], h0), hi[h], h1);
+            tl[h][r] = MADD4(MADD4(tl[h][r], lo[h], l0), hi[h], l1);
+        }
+        for (int h = 0; h < H; h++) {
+            KEEP(th[h][r]);
+            KEEP(tl[h][r]);
+        }
+    }
 }
 
 /* The R rows x H halves of y a pass sums into (rows N floats apart), set to 0 → yr. */

@@ -51,16 +51,8 @@ static inline __attribute__((always_inline)) void int4_pass(const int R, int64_t
             for (int r = 0; r < R; r++) th[r] = tl[r] = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++) {
                 const __m512i v = _mm512_loadu_si512(codes + bb * 256 + 64 * j);
-                const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *p = HL(a, m0 + r, b, j, 8);  /* h, l of k 8j..8j+3, then of 8j+4..8j+7 */
-                    th[r] = dpbusd_b(th[r], lo, p);
-                    tl[r] = dpbusd_b(tl[r], lo, p + 4);
-                    th[r] = dpbusd_b(th[r], hi, p + 8);
-                    tl[r] = dpbusd_b(tl[r], hi, p + 12);
-                    KEEP(th[r]);
-                    KEEP(tl[r]);
-                }
+                planes_dot(R, th, tl, _mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4), a, m0,
+                           b, j);
             }
             for (int r = 0; r < R; r++) {
                 const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];
@@ -178,19 +170,7 @@ static inline __attribute__((always_inline)) void int4_full(const int R, const i
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + bb * 256 + 64 * j + 32 * h));
                     lo[h] = _mm256_and_si256(v, low4), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 }
-                for (int r = 0; r < R; r++) {
-                    const int8_t *p = HL(a, m0 + r, b, j, 8);
-                    const __m256i h0 = _mm256_set1_epi32(load32(p)), l0 = _mm256_set1_epi32(load32(p + 4));
-                    const __m256i h1 = _mm256_set1_epi32(load32(p + 8)), l1 = _mm256_set1_epi32(load32(p + 12));
-                    for (int h = 0; h < H; h++) {  /* each broadcast serves both halves */
-                        th[h][r] = MADD4(MADD4(th[h][r], lo[h], h0), hi[h], h1);
-                        tl[h][r] = MADD4(MADD4(tl[h][r], lo[h], l0), hi[h], l1);
-                    }
-                    for (int h = 0; h < H; h++) {
-                        KEEP(th[h][r]);
-                        KEEP(tl[h][r]);
-                    }
-                }
+                planes_dot(R, H, th, tl, lo, hi, a, m0, b, j);
             }
             for (int r = 0; r < R; r++) {
                 const lowbit_qblock q = a->blk[(m0 + r) * a->nb + b];

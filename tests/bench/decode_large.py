@@ -28,13 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_prefill import DEFAULT_PROMPT, cpu_name, llama_decode, lowbit_engine_decode  # noqa: E402
 
-SHAPE = dict(dim=2048, n_layers=24, n_heads=32, n_kv_heads=32, head_dim=64, hidden=8192, vocab=49152)
 FTYPES = {"Q4_0": 2, "Q4_1": 3}  # llama.h LLAMA_FTYPE_MOSTLY_*
 GGML_TYPE_Q8_0 = 8
 
@@ -45,48 +43,11 @@ def default_dir() -> Path:
 
 
 def write_f16_model(path: Path, tokenizer_gguf: Path) -> None:
-    """SmolLM2-1.7B's shapes, random weights, the default model's tokenizer → an f16 GGUF."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    """SmolLM2-1.7B's shapes, random weights, the default model's tokenizer → an f16 GGUF (real_models.py's
+    writer: one tensor at a time)."""
+    from real_models import write_f16
 
-    s = SHAPE
-    rng = np.random.default_rng(0)
-    w = GGUFWriter(str(path) + ".part", "llama")
-    w.add_name("random SmolLM2-1.7B shapes")
-    w.add_context_length(8192)
-    w.add_embedding_length(s["dim"])
-    w.add_block_count(s["n_layers"])
-    w.add_feed_forward_length(s["hidden"])
-    w.add_head_count(s["n_heads"])
-    w.add_head_count_kv(s["n_kv_heads"])
-    w.add_rope_dimension_count(s["head_dim"])
-    w.add_rope_freq_base(130000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(1)  # MOSTLY_F16
-    for name, field in GGUFReader(str(tokenizer_gguf)).fields.items():
-        if name.startswith("tokenizer."):
-            types = field.types
-            sub = types[1] if types[0] == GGUFValueType.ARRAY else None
-            w.add_key_value(name, field.contents(), types[0], sub_type=sub)
-
-    def mat(n: int, k: int) -> np.ndarray:
-        return (rng.standard_normal((n, k), dtype=np.float32) * 0.02).astype(np.float16)
-
-    D, H, Hkv, hd, F = s["dim"], s["n_heads"], s["n_kv_heads"], s["head_dim"], s["hidden"]
-    w.add_tensor("token_embd.weight", mat(s["vocab"], D))
-    w.add_tensor("output_norm.weight", np.ones(D, np.float32))
-    for i in range(s["n_layers"]):
-        b = f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", np.ones(D, np.float32))
-        w.add_tensor(b + "ffn_norm.weight", np.ones(D, np.float32))
-        for name, shape in (("attn_q", (H * hd, D)), ("attn_k", (Hkv * hd, D)), ("attn_v", (Hkv * hd, D)),
-                            ("attn_output", (D, H * hd)), ("ffn_gate", (F, D)), ("ffn_up", (F, D)),
-                            ("ffn_down", (D, F))):
-            w.add_tensor(b + name + ".weight", mat(*shape))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    Path(str(path) + ".part").rename(path)
+    write_f16(path, "1.7b", tokenizer_gguf)
 
 
 def quantize(src: Path, dst: Path, quant: str, threads: int) -> None:

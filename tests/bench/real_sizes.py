@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from decode_large import stream_gbs  # noqa: E402
+from decode_prefill import cpu_name  # noqa: E402
 from real_models import default_dir, model_file, parse_models  # noqa: E402
 
 SHORT, LONG = 16, 512
@@ -112,27 +114,11 @@ def run_worker(side: str, path: Path, threads: int, decode: int) -> dict:
 
 
 def cpu() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        name = next(ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name"))
-        flags = set(next(ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")))
-        have = [f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
-        return f"{name} ({', '.join(have) or 'AVX2 only'})"
-    except (OSError, StopIteration):
-        import platform
-        return platform.processor()
+    """The CPU's name and which of the instruction sets that change lowbit's kernels it has."""
+    from lowbit.kernels.cpu_native import _cpu_flags
 
-
-def stream_gbs(threads: int) -> float:
-    import torch
-    torch.set_num_threads(threads)
-    x = torch.ones(256 << 20)
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        ts.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(ts) / 1e9
+    have = [f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if f in _cpu_flags()]
+    return f"{cpu_name()} ({', '.join(have) or 'AVX2 only'})"
 
 
 ROWS = [("time to first token, 16 tokens (s)", "ttft_short_s", "lower"),
@@ -165,6 +151,9 @@ def main(argv=None) -> int:
     from lowbit.kernels import cpu_native
     from lowbit.runtime.load.gguf import gguf_tensor_bytes
 
+    import torch
+
+    torch.set_num_threads(a.threads)
     native = cpu_native.native()
     bw = stream_gbs(a.threads)
     print(f"CPU: {cpu()}; lowbit's matmuls on {native.isa if native else 'the plain-torch path'}; {a.threads} "
