@@ -207,11 +207,26 @@ static lowbit_linear tiles_for(int64_t t, int64_t N, int64_t K, uint8_t *dst) {
     return w;
 }
 
+/* File rows a tile's reads may span in one pread: a tile's 16 rows are consecutive in the file, or, for
+ * llama Q/K un-permuted at load, 16 of one head's 64-256 rows (every other one): one read instead of 16. */
+#define WINDOW 256
+
+/* n bytes at offset of fd → out; 0, or 1 where a read failed or came back short. */
+static int read_rows(int fd, int64_t offset, int64_t n, uint8_t *out) {
+    for (int64_t got = 0; got < n;) {
+        const ssize_t k = pread(fd, out + got, (size_t)(n - got), (off_t)(offset + got));
+        if (k <= 0) return 1;
+        got += k;
+    }
+    return 0;
+}
+
 /* Rows of type t as GGUF stores them (N rows of K values) → the tiles of tiles_for at dst (ceil(N / 16)
  * tiles of lowbit_tile_bytes each). Output row n is row perm[n] (perm NULL: n) of the source: src in
  * memory, or, src NULL, the rows from byte `offset` of the file fd — each thread then reads its tile's
- * rows (pread: the page cache's copy, into a buffer of 16 rows of its own), so a load holds the tiles it
- * has made and no copy of the file (a mapping of it would count its pages in the process's memory too).
+ * rows (pread: the page cache's copy, into a buffer of its own of up to WINDOW rows), so a load holds the
+ * tiles it has made and no copy of the file (a mapping of it would count its pages in the process's
+ * memory too).
  * Returns 0, -1 for a type or shape it does not take, -2 for a read that failed or came back short. */
 int lowbit_tiles_pack(int64_t t, const uint8_t *src, int fd, int64_t offset, const int64_t *perm, int64_t N,
                       int64_t K, uint8_t *dst, int nthreads) {
@@ -221,27 +236,27 @@ int lowbit_tiles_pack(int64_t t, const uint8_t *src, int fd, int64_t offset, con
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        uint8_t *buf = src ? NULL : malloc((size_t)(LOWBIT_TILE * row));
+        uint8_t *buf = src ? NULL : malloc((size_t)(WINDOW * row));
         failed |= !src && !buf;
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < T; tile++) {
             if (failed) continue;
             const int64_t n0 = tile * LOWBIT_TILE, n = N - n0 < LOWBIT_TILE ? N - n0 : LOWBIT_TILE;
             const uint8_t *rows[LOWBIT_TILE];
-            for (int64_t r = 0; r < n; r++) rows[r] = src ? src + (perm ? perm[n0 + r] : n0 + r) * row : buf + r * row;
-            for (int64_t r = 0; !src && r < n && !failed; r++) {  /* runs of consecutive file rows in one read */
-                int64_t run = 1;
-                const int64_t first = perm ? perm[n0 + r] : n0 + r;
-                while (r + run < n && (perm ? perm[n0 + r + run] : n0 + r + run) == first + run) run++;
-                for (int64_t got = 0; got < run * row;) {
-                    const ssize_t k = pread(fd, buf + r * row + got, (size_t)(run * row - got), (off_t)(offset + first * row + got));
-                    if (k <= 0) {
-                        failed = 1;
-                        break;
-                    }
-                    got += k;
+            int64_t lo = INT64_MAX, hi = -1;  /* the file rows the tile takes */
+            for (int64_t r = 0; r < n; r++) {
+                const int64_t f = perm ? perm[n0 + r] : n0 + r;
+                lo = f < lo ? f : lo, hi = f > hi ? f : hi;
+            }
+            if (!src && hi - lo < WINDOW) {  /* one read of the window holding them all */
+                failed = read_rows(fd, offset + lo * row, (hi - lo + 1) * row, buf);
+                for (int64_t r = 0; r < n; r++) rows[r] = buf + ((perm ? perm[n0 + r] : n0 + r) - lo) * row;
+            } else {
+                for (int64_t r = 0; r < n && !failed; r++) {  /* rows far apart: one read each */
+                    const int64_t f = perm ? perm[n0 + r] : n0 + r;
+                    rows[r] = src ? src + f * row : buf + r * row;
+                    if (!src) failed = read_rows(fd, offset + f * row, row, buf + r * row);
                 }
-                r += run - 1;
             }
             if (!failed) pack_tile(&w, t, rows, n, dst + tile * tb);
         }

@@ -131,17 +131,19 @@ def test_q4_0_q4_1_q8_0_repack_into_the_int4_and_int8_tiles(qtype, N):
 
 def test_a_repack_reads_the_rows_from_the_file_in_the_order_asked(tmp_path):
     """Rows still in the file (the loader's TensorRows: path, offset, row order) pack to the same tiles
-    as the same rows permuted in memory; a file cut short is an OSError, not garbage."""
+    as the same rows permuted in memory — tiles whose rows lie within a window of the file (one read)
+    and tiles whose rows lie far apart (a read each) — and a file cut short is an OSError, not garbage."""
     from lowbit.kernels.kq_mm import tiles_pack_rows
     from lowbit.kernels.tile_layout import tile_bytes
 
     k = _kernels()
-    K, N = 512, 64
+    K, N = 512, 320  # a random order: most tiles span more than the C repack's 256-row window
     blocks = random_blocks(T.Q4_K, N, K, seed=4)
     path = tmp_path / "rows.bin"
     path.write_bytes(b"x" * 1000 + blocks.numpy().tobytes())
-    shuffled = [r for r in torch.randperm(N, generator=torch.Generator().manual_seed(5)).tolist() if not 30 <= r < 46]
-    perm = torch.tensor(shuffled[:8] + list(range(30, 46)) + shuffled[8:])  # a run of consecutive rows: one read
+    shuffled = [r for r in torch.randperm(N, generator=torch.Generator().manual_seed(5)).tolist()
+                if not 100 <= r < 116]
+    perm = torch.tensor(shuffled[:16] + list(range(100, 116)) + shuffled[16:])  # tile 1: consecutive rows
 
     class Rows:  # what runtime/load/gguf.py TensorRows gives the packer
         def __init__(self, n, offset=1000):
