@@ -133,6 +133,12 @@ static inline __attribute__((always_inline)) void planes_dot(const int R, const 
     }
 }
 
+/* Rows 0-7 of an 8-row half from vpmaddwd's pair sums: lanes [r0 r0 r1 r1 | r2 r2 r3 r3] (ta) and
+ * rows 4-7 alike (tb) — pair sums, then rows in order (AVX2's int8 path, and its 5- and 6-bit codes). */
+static inline __m256i pairs_sum(__m256i ta, __m256i tb) {
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(ta, tb), 0xD8);
+}
+
 /* The R rows x H halves of y a pass sums into (rows N floats apart), set to 0 → yr. */
 static inline float *zeroed_rows(float *yr, const int R, const int H, int64_t N) {
     for (int r = 0; r < R; r++)

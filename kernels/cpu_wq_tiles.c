@@ -139,12 +139,6 @@ static inline void int8_epilogue(float *yo, __m256i Tu, __m256 d, lowbit_qblock 
                                                                           _mm256_mul_ps(d, _mm256_set1_ps(q.s)))));
 }
 
-/* Rows 0-7 of an 8-row half from vpmaddwd's pair sums: lanes [r0 r0 r1 r1 | r2 r2 r3 r3] (ta) and
- * rows 4-7 alike (tb) — pair sums, then rows in order (AVX2's int8 path). */
-static inline __m256i pairs_sum(__m256i ta, __m256i tb) {
-    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(ta, tb), 0xD8);
-}
-
 static inline __attribute__((always_inline)) void int4_full(const int R, const int H, int64_t m0,
                                                             const lowbit_linear *w, const lowbit_qact *a,
                                                             const uint8_t *tile, int64_t n0, int half0, float *y) {
