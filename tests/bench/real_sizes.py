@@ -33,8 +33,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_large import stream_gbs  # noqa: E402
-from decode_prefill import cpu_name  # noqa: E402
 from real_models import default_dir, model_file, parse_models  # noqa: E402
 
 SHORT, LONG = 16, 512
@@ -104,9 +102,10 @@ def llama_worker(path: str, threads: int, decode: int) -> dict:
             "weight_bytes": int(llama_cpp.llama_model_size(llm.model)), "kv_bytes": 0}
 
 
-def run_worker(side: str, path: Path, threads: int, decode: int) -> dict:
-    cmd = [sys.executable, "-P", __file__, "--worker", side, "--model", str(path), "--threads", str(threads),
-           "--decode-tokens", str(decode)]
+def run_worker(side: str, path: Path, threads: int, decode: int, python: str | None = None) -> dict:
+    """One side's measurements in a process of its own (llama.cpp's in `python`'s environment if given)."""
+    cmd = [python or sys.executable, "-P", __file__, "--worker", side, "--model", str(path), "--threads",
+           str(threads), "--decode-tokens", str(decode)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": str(threads)})
     if r.returncode:
         sys.exit(f"the {side} worker failed on {path.name}:\n{r.stderr[-3000:]}")
@@ -115,6 +114,7 @@ def run_worker(side: str, path: Path, threads: int, decode: int) -> dict:
 
 def cpu() -> str:
     """The CPU's name and which of the instruction sets that change lowbit's kernels it has."""
+    from decode_prefill import cpu_name
     from lowbit.kernels.cpu_native import _cpu_flags
 
     have = [f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if f in _cpu_flags()]
@@ -140,6 +140,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--dir", type=Path, default=None, help="where the model files are made and kept")
     ap.add_argument("--json", type=Path, default=None, help="write every sample and median here")
+    ap.add_argument("--llama-python", default=None,
+                    help="the interpreter of another environment to run llama.cpp's side in (a llama-cpp-python "
+                         "built for other instruction sets; it needs numpy and llama-cpp-python only)")
     ap.add_argument("--worker", choices=("lowbit", "llama.cpp"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -152,6 +155,7 @@ def main(argv=None) -> int:
     from lowbit.runtime.load.gguf import gguf_tensor_bytes
 
     import torch
+    from decode_large import stream_gbs
 
     torch.set_num_threads(a.threads)
     native = cpu_native.native()
@@ -165,7 +169,7 @@ def main(argv=None) -> int:
         samples: dict[str, list[dict]] = {"lowbit": [], "llama.cpp": []}
         for rep in range(a.reps):
             for side in (("lowbit", "llama.cpp") if rep % 2 == 0 else ("llama.cpp", "lowbit")):
-                s = run_worker(side, path, a.threads, a.decode_tokens)
+                s = run_worker(side, path, a.threads, a.decode_tokens, a.llama_python if side == "llama.cpp" else None)
                 s |= {"prefill_tok_s": LONG / s["ttft_long_s"], "peak_rss_gb": s["peak_rss"] / 1e9,
                       "weight_gb": s["weight_bytes"] / 1e9, "gb_s": s["weight_bytes"] * s["decode_tok_s"] / 1e9}
                 samples[side].append(s)
