@@ -70,10 +70,12 @@ class PagedAttention:
     kernels kernels/kv_write.py and kernels/paged_attention.py quantize in-kernel and read the
     quantized pages directly, working in the rotated space (q rotated, output rotated back)."""
 
-    def __init__(self, pool, batch: PagedBatch, sliding_window: int | None, backend):
-        """backend: the model's (models/backend.py): its Triton kernels when `fused_paged_attention`,
+    def __init__(self, pool, batch: PagedBatch, windows: list[int | None] | int | None, backend):
+        """windows: each layer's sliding window (None: the layer sees every earlier key), or one for
+        all. backend: the model's (models/backend.py): its Triton kernels when `fused_paged_attention`,
         else its C kernels (`native`) where it has them."""
-        self.pool, self.batch, self.window = pool, batch, sliding_window
+        self.pool, self.batch = pool, batch
+        self.windows = windows if isinstance(windows, list) else [windows] * pool.n_layers
         self.fused, self.kernels = backend.fused_paged_attention, backend.native
         # both sides rotated (k8v4, k4v4): attend in the rotated space, as the CUDA kernels do —
         # q·k and p·v are unchanged by an orthonormal rotation, and rotating q and the output costs
@@ -135,20 +137,20 @@ class PagedAttention:
         k_sides = [pool.side(layer, "k") for layer in range(pool.n_layers)]
         v_sides = [pool.side(layer, "v") for layer in range(pool.n_layers)]
         return layers.decode_paged(delta, cos, sin, self.batch.slots.to(torch.int64).contiguous(), pool.page_size,
-                                   k_sides, v_sides, pool.rot, self.rot, self.c_args, self.window)
+                                   k_sides, v_sides, pool.rot, self.rot, self.c_args, self.windows[0])
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [M, H, D], k/v [M, Hkv, D] → fp32 [M, H*D]."""
         if self.fused:
             return self._fused(layer, q, k, v)
-        b, pool = self.batch, self.pool
+        b, pool, window = self.batch, self.pool, self.windows[layer]
         pool.write(layer, k, v, b.slots, self.kernels)
         M, H, D = q.shape
         out = torch.empty(M, H, D, dtype=torch.float32, device=q.device)
         if self.c_rows is not None:
             attended = self.native.paged_decode_attention(
                 q[self.c_rows].float(), *self.c_args, pool.page_size, pool.side(layer, "k"), pool.side(layer, "v"),
-                self.rot, self.window)
+                self.rot, window)
             if isinstance(self.c_rows, slice):
                 return attended.view(M, H * D)
             out[self.c_rows] = attended
@@ -164,9 +166,9 @@ class PagedAttention:
                     for j in range(n):
                         c = ctx - n + j + 1  # keys up to and including this token
                         out[row + j] = self._attend(q[row + j:row + j + 1], keys[:, :c], values[:, :c],
-                                                    b.positions[row + j:row + j + 1])[0]
+                                                    b.positions[row + j:row + j + 1], window)[0]
                 else:
-                    out[row:row + n] = self._attend(q[row:row + n], keys, values, b.positions[row:row + n])
+                    out[row:row + n] = self._attend(q[row:row + n], keys, values, b.positions[row:row + n], window)
         return out.reshape(M, H * D)
 
     def _read(self, layer: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -180,28 +182,30 @@ class PagedAttention:
         return [(pool.tokens(ks, b.context_lens[i]), pool.tokens(vs, b.context_lens[i]))
                 for ks, vs, i in zip(k.split(sizes), v.split(sizes), seqs)]
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                window: int | None) -> torch.Tensor:
         """One sequence's queries q [n, H, D] over its (rotated, if self.rot) keys/values → [n, H, D].
         The rotation is per sequence, so a row never depends on what else is in the batch."""
         rot = self.rot
         if rot is None:
-            return self._sdpa(q, keys, values, pos)
+            return self._sdpa(q, keys, values, pos, window)
         n, H, D = q.shape
-        o = self._sdpa((q.float().reshape(n * H, D) @ rot).view(n, H, D), keys, values, pos)
+        o = self._sdpa((q.float().reshape(n * H, D) @ rot).view(n, H, D), keys, values, pos, window)
         return (o.reshape(n * H, D) @ rot.T).view(n, H, D)
 
-    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+              window: int | None) -> torch.Tensor:
         """q [n, H, D] at positions pos [n]; keys/values [Hkv, ctx, D] → [n, H, D] (causal, window)."""
         gqa = q.shape[1] != keys.shape[0]
-        if q.shape[0] == 1 and (self.window is None or keys.shape[1] <= self.window):
+        if q.shape[0] == 1 and (window is None or keys.shape[1] <= window):
             # one query seeing every key: no mask, and the 4-D call takes SDPA's flash kernel
             # (ctx 200, 9/3 heads: 60 us against 223 us for the masked 3-D call, which takes the math path)
             qs = q.float().transpose(0, 1)[None]  # [1, H, 1, D]
             return F.scaled_dot_product_attention(qs, keys[None], values[None], enable_gqa=gqa)[0].transpose(0, 1)
         k_pos = torch.arange(keys.shape[1], device=q.device)
         mask = k_pos[None, :] <= pos[:, None]  # [n, ctx]
-        if self.window is not None:
-            mask &= k_pos[None, :] > pos[:, None] - self.window
+        if window is not None:
+            mask &= k_pos[None, :] > pos[:, None] - window
         # 4-D, as above: with a mask too, SDPA then takes its flash kernel, where the 3-D call takes the
         # math path (512 queries over 512 keys, 9/3 heads: 5.5 ms against 18 ms)
         qs = q.float().transpose(0, 1)[None]  # [1, H, n, D]
@@ -218,7 +222,7 @@ class PagedAttention:
         rotated = rot is not None and k_side.bits < 16 and v_side.bits < 16
         cu, ctx, tables, by_row, alone = self.tensors
         out = paged_attention(q.float() @ rot if rotated else q, k_side, v_side, cu, ctx, b.positions, tables,
-                              pool.page_size, sliding_window=self.window, max_query_len=max(b.query_lens),
+                              pool.page_size, sliding_window=self.windows[layer], max_query_len=max(b.query_lens),
                               split_rows=by_row, alone=alone)  # fp32 [M, H, D]
         if rotated:
             out = out @ rot.T

@@ -1,31 +1,44 @@
-"""The Llama-family config: one frozen dataclass, built from GGUF metadata or an HF config.json dict.
-
-Covers Llama 2/3 (llama3 rope scaling), Mistral (optional sliding window), Qwen2 (QKV bias) and
-SmolLM2 (tied embeddings). The model never reads files: callers pass the parsed dict in.
+"""The model config: one frozen dataclass, built from GGUF metadata or an HF config.json dict, for
+every family of models/families.py (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM3, Ministral 3, Phi-3/4,
+Gemma 3). The family's row says which variants the block has; the numbers come from the file. The
+model never reads files: callers pass the parsed dict in.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Mapping
 
-GGUF_ARCHS = ("llama", "qwen2", "mistral")
-HF_ARCHS = MappingProxyType({"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"})
+from lowbit.models.families import FAMILIES, HF_WRAPPERS, Family, family_of_gguf, family_of_hf
+
+# kept for callers that list what loads
+GGUF_ARCHS = tuple(a for f in FAMILIES.values() for a in f.gguf_archs)
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    kind: str  # "llama3" | "linear"
-    factor: float
+    kind: str  # "llama3" | "linear" | "yarn" | "longrope"
+    factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    truncate: bool = True
+    # cos and sin are multiplied by this (yarn's mscale, LongRoPE's sqrt(1 + ln s / ln L)), as transformers'
+    # attention_scaling and llama.cpp's attn_factor do
+    attention_factor: float = 1.0
+    short_factor: tuple[float, ...] | None = None  # longrope: per-frequency divisors within the original context
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    arch: str
+    arch: str  # the family's name (models/families.py)
     dim: int
     n_layers: int
     n_heads: int
@@ -40,74 +53,208 @@ class LlamaConfig:
     qkv_bias: bool = False
     sliding_window: int | None = None
     rope_scaling: RopeScaling | None = None
+    # per layer: whether it attends over the sliding window (None: every layer, when sliding_window is set)
+    window_layers: tuple[bool, ...] | None = None
+    # per layer: "global" rotary, "local" (rope_local_theta, unscaled: Gemma 3's windowed layers) or "none"
+    # (SmolLM3's NoPE layers); None = global everywhere
+    rope_layers: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    rotary_dim: int | None = None  # dims of a head that rotate (Phi-4-mini: 3/4 of them); None = all
+    attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-1/2)
+    attn_temperature: tuple[float, int] | None = None  # (beta, original context): Ministral 3's query scaling
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.arch]
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends over, or None (every earlier key)."""
+        if self.sliding_window is None or (self.window_layers is not None and not self.window_layers[layer]):
+            return None
+        return self.sliding_window
+
+    def rope_of(self, layer: int) -> str:
+        return "global" if self.rope_layers is None else self.rope_layers[layer]
+
+    @property
+    def plain(self) -> bool:
+        """Whether every block is the Llama block the fused C kernels compute (kernels/cpu_block.c):
+        one rotary table over whole heads, 1/sqrt(D) attention, SwiGLU, two norms, one window."""
+        f = self.family
+        return not (f.qk_norm or f.sandwich_norms or f.activation != "silu" or f.embed_scale
+                    or self.rope_layers is not None or self.window_layers is not None
+                    or self.rotary_dim not in (None, self.head_dim) or self.attn_scale is not None
+                    or self.attn_temperature is not None)
 
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any], vocab_size: int, tie_embeddings: bool) -> "LlamaConfig":
         """GGUF `<arch>.*` keys. vocab_size and tying come from the tensors (token_embd rows,
         whether output.weight exists), which are the truth when metadata disagrees."""
         arch = meta.get("general.architecture")
-        if arch not in GGUF_ARCHS:
-            raise ValueError(f"unknown architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
+        fam = family_of_gguf(arch)
 
         def get(key, default=None):
             v = meta.get(f"{arch}.{key}", default)
             if v is None:
-                raise ValueError(f"missing metadata key {arch}.{key}")
+                raise ValueError(f"{fam.name}: missing metadata key {arch}.{key}")
             return v
 
         dim, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
-        head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or dim // n_heads)
-        scaling = None
-        kind = meta.get(f"{arch}.rope.scaling.type")
-        if kind == "linear":
-            scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
-        elif kind not in (None, "none"):  # yarn & co. would silently give wrong long-context logits
-            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear; llama3 via rope_freqs)")
+        n_layers = int(get("block_count"))
+        head_dim = int(meta.get(f"{arch}.attention.key_length") or dim // n_heads)
+        rotary = meta.get(f"{arch}.rope.dimension_count")
+        ctx = int(get("context_length", 4096))
+        scaling = _gguf_rope_scaling(meta, arch, get)
+        window = meta.get(f"{arch}.attention.sliding_window")
+        window = int(window) if window else None
+        window_layers = rope_layers = local_theta = attn_scale = temperature = None
+        if fam.swa_every and window:  # llama.cpp fixes the pattern per architecture (gemma3: 5 local, 1 global)
+            window_layers = tuple((i + 1) % fam.swa_every != 0 for i in range(n_layers))
+            rope_layers = tuple("local" if w else "global" for w in window_layers)
+            local_theta = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+        if fam.nope_every:
+            rope_layers = tuple("none" if (i + 1) % fam.nope_every == 0 else "global" for i in range(n_layers))
+        if fam.name == "gemma3":
+            # llama.cpp's rule (gemma3.cpp): the file carries no query_pre_attn_scalar; 27B (62 layers)
+            # scales by dim / heads, the others by head_dim, which is 1/sqrt(head_dim) unless 62 layers
+            attn_scale = 1 / math.sqrt(dim // n_heads) if n_layers == 62 else None
+        beta = meta.get(f"{arch}.attention.temperature_scale")
+        if fam.attn_temperature and beta:
+            temperature = (float(beta), int(scaling.original_max_position if scaling else ctx))
         return cls(
-            arch=arch, dim=dim, n_layers=int(get("block_count")), n_heads=n_heads,
+            arch=fam.name, dim=dim, n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
             hidden_dim=int(get("feed_forward_length")), vocab_size=vocab_size,
             norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(get("rope.freq_base", 10000.0)), max_seq_len=int(get("context_length", 4096)),
-            tie_embeddings=tie_embeddings, qkv_bias=arch == "qwen2",
-            sliding_window=meta.get(f"{arch}.attention.sliding_window"), rope_scaling=scaling,
+            rope_theta=float(get("rope.freq_base", 10000.0)), max_seq_len=ctx,
+            tie_embeddings=tie_embeddings, qkv_bias=fam.qkv_bias, sliding_window=window, rope_scaling=scaling,
+            window_layers=window_layers, rope_layers=rope_layers, rope_local_theta=local_theta,
+            rotary_dim=int(rotary) if rotary and int(rotary) != head_dim else None, attn_scale=attn_scale,
+            attn_temperature=temperature,
         )
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "LlamaConfig":
         mt = cfg.get("model_type")
-        if mt not in HF_ARCHS:
-            raise ValueError(f"unknown model_type {mt!r} in config.json (supported: {', '.join(HF_ARCHS)})")
-        n_heads = int(cfg["num_attention_heads"])
-        scaling = None
-        # transformers 5 writes rope settings under "rope_parameters"; older versions "rope_scaling".
-        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
-        if rs:
-            kind = rs.get("rope_type", rs.get("type"))
-            if kind == "llama3":
-                scaling = RopeScaling("llama3", float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
-                                      float(rs.get("high_freq_factor", 4.0)),
-                                      int(rs.get("original_max_position_embeddings", 8192)))
-            elif kind == "linear":
-                scaling = RopeScaling("linear", float(rs["factor"]))
-            elif kind not in (None, "default"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r}")
+        if mt in HF_WRAPPERS and isinstance(cfg.get("text_config"), Mapping):  # multimodal: its language model
+            cfg = {"model_type": HF_WRAPPERS[mt], **cfg["text_config"]}
+            mt = cfg["model_type"]
+        fam = family_of_hf(mt)
+        n_heads, n_layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
+        dim = int(cfg["hidden_size"])
+        head_dim = int(cfg.get("head_dim") or dim // n_heads)
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(key):
+                raise ValueError(f"{fam.name}: {key} is not supported")
+        if cfg.get("mlp_bias"):
+            raise ValueError(f"{fam.name}: mlp_bias is not supported")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        by_type = isinstance(rope.get("full_attention"), Mapping)  # Gemma 3: one set per layer type
+        main = rope.get("full_attention", {}) if by_type else rope
+        rope_theta = float(main.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        scaling = _hf_rope_scaling(main, cfg, max_pos)
+        partial = float(main.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+        rotary = int(head_dim * partial)
+
+        layer_types = cfg.get("layer_types")
         sliding = cfg.get("sliding_window")
-        if mt == "qwen2" and not cfg.get("use_sliding_window", False):
-            sliding = None
-        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        if mt in ("qwen2", "qwen3", "smollm3") and not cfg.get("use_sliding_window", False):
+            sliding, layer_types = None, None
+        window_layers = rope_layers = local_theta = None
+        if sliding and layer_types:
+            window_layers = tuple(t == "sliding_attention" for t in layer_types)
+            if all(window_layers):
+                window_layers = None
+        if fam.name == "gemma3":
+            local = rope.get("sliding_attention", {}) if by_type else {}
+            local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"{fam.name}: unsupported rope type {local['rope_type']!r} on the local layers")
+            types = layer_types or ["full_attention"] * n_layers
+            rope_layers = tuple("local" if t == "sliding_attention" else "global" for t in types)
+        if fam.nope_every:
+            flags = cfg.get("no_rope_layers")  # 1 = the layer uses rotary
+            if flags is None:
+                every = int(cfg.get("no_rope_layer_interval") or fam.nope_every)
+                flags = [int((i + 1) % every != 0) for i in range(n_layers)]
+            rope_layers = tuple("global" if f else "none" for f in flags)
+        attn_scale = None
+        if cfg.get("query_pre_attn_scalar") is not None and float(cfg["query_pre_attn_scalar"]) != head_dim:
+            attn_scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
+        temperature = None
+        if fam.attn_temperature and main.get("llama_4_scaling_beta"):
+            temperature = (float(main["llama_4_scaling_beta"]), int(main["original_max_position_embeddings"]))
         return cls(
-            arch=HF_ARCHS[mt], dim=int(cfg["hidden_size"]), n_layers=int(cfg["num_hidden_layers"]),
-            n_heads=n_heads, n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads),
+            arch=fam.name, dim=dim, n_layers=n_layers,
+            n_heads=n_heads, n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), head_dim=head_dim,
             hidden_dim=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
-            max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, max_seq_len=max_pos,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=mt == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=fam.qkv_bias or bool(cfg.get("attention_bias", False)),
             sliding_window=int(sliding) if sliding else None, rope_scaling=scaling,
+            window_layers=window_layers, rope_layers=rope_layers, rope_local_theta=local_theta,
+            rotary_dim=rotary if rotary != head_dim else None, attn_scale=attn_scale, attn_temperature=temperature,
         )
+
+
+def _hf_rope_scaling(rs: Mapping[str, Any], cfg: Mapping[str, Any], max_pos: int) -> RopeScaling | None:
+    """config.json's rope_parameters (transformers 5) or rope_scaling (4.x) → RopeScaling, the way
+    transformers' modeling_rope_utils reads them."""
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    original = int(rs.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                   or max_pos)
+    if kind == "llama3":
+        return RopeScaling("llama3", float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
+                           float(rs.get("high_freq_factor", 4.0)), int(rs.get("original_max_position_embeddings", 8192)))
+    if kind == "linear":
+        return RopeScaling("linear", float(rs["factor"]))
+    if kind == "yarn":
+        factor = float(rs.get("factor") or max_pos / original)
+        af = rs.get("attention_factor")
+        if af is None:
+            m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+            af = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+        return RopeScaling("yarn", factor, original_max_position=original,
+                           beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
+                           truncate=bool(rs.get("truncate", True)), attention_factor=float(af))
+    if kind in ("longrope", "su"):
+        factor = float(rs.get("factor") or max_pos / original)
+        af = rs.get("attention_factor")
+        if af is None:
+            af = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        return RopeScaling("longrope", factor, original_max_position=original, attention_factor=float(af),
+                           short_factor=tuple(float(x) for x in rs["short_factor"]))
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear, yarn, longrope)")
+
+
+def _gguf_rope_scaling(meta: Mapping[str, Any], arch: str, get) -> RopeScaling | None:
+    """GGUF `rope.scaling.*` → RopeScaling. llama3 files carry their scaling as the rope_freqs tensor and
+    LongRoPE files as rope_factors_short/long (runtime/load/gguf.py reads those)."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind is None and meta.get(f"{arch}.rope.scaling.attn_factor") is not None:
+        kind = "longrope"  # llama.cpp's Phi-3 converter writes the factors and attn_factor, but no type
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", float(get("rope.scaling.factor")))
+    if kind == "yarn":
+        factor = float(get("rope.scaling.factor"))
+        af = meta.get(f"{arch}.rope.scaling.yarn_attn_factor")
+        log_mul = meta.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+        if af is None:  # transformers' rule; a log multiplier is mscale_all_dim, with mscale 1
+            af = yarn_mscale(factor) / yarn_mscale(factor, float(log_mul)) if log_mul else yarn_mscale(factor)
+        return RopeScaling("yarn", factor, original_max_position=int(get("rope.scaling.original_context_length")),
+                           beta_fast=float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast") or 32),
+                           beta_slow=float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow") or 1),
+                           attention_factor=float(af))
+    if kind in ("longrope", "su"):
+        return RopeScaling("longrope", 1.0, attention_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+                           original_max_position=int(meta.get(f"{arch}.rope.scaling.original_context_length") or 0))
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, yarn, longrope; llama3 via rope_freqs)")

@@ -1,14 +1,18 @@
-"""The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, SmolLM2): RMSNorm, RoPE, GQA
-attention, SwiGLU — with every projection a QuantLinear, so weights stay int4/int8.
+"""The one forward pass of every family in models/families.py (Llama 2/3, Mistral, Qwen2/3, SmolLM2/3,
+Ministral 3, Phi-3/4, Gemma 3): RMSNorm, RoPE, GQA attention, a gated MLP — with every projection a
+QuantLinear, so weights stay int4/int8 — and the family's variants switched on by its config: per-head
+q/k norms, Gemma's four norms a block, GeGLU, embeddings times sqrt(dim), its own attention scale,
+layers without rotary or with a local rotary base and a sliding window, Ministral's query temperature.
 
 The kernels come from the model's Backend (models/backend.py), chosen once from its device. A
 forward pass is one engine step (`forward_paged`): the tokens of several sequences, their K/V
 written to and read from the paged pool (models/attention.py).
 Precision: the residual stream is fp32 (its add is fused into the next norm), attention is fp32.
 Between kernels, activations are fp32 on CPU and fp16/bf16 on CUDA. The weight-only matmuls on
-CPU are exact for 16+ rows (prefill) and go through the C kernels' 16-bit activation codes for
-fewer (decode); `exact=True` forces exact fp32 everywhere, on CUDA too (see kernels/int4_mm.py,
-kernels/wq_mm.py and runtime/engine/speculative.py's verified greedy), and `ExactRows` chooses per row.
+CPU go through the C kernels' 16-bit activation codes (kernels/cpu_native.py); `exact=True` forces
+exact fp32 everywhere, on CUDA too (see kernels/int4_mm.py, kernels/wq_mm.py and
+runtime/engine/speculative.py's verified greedy), and `ExactRows` chooses per row. A plain Llama block
+(config.plain) runs as two fused C calls on CPU decode; a block with variants runs op by op.
 
 Activations run token-major, [M, dim] with M the step's tokens, which is the shape every kernel takes.
 
@@ -19,7 +23,10 @@ are all-reduced, the embedding rows are summed over ranks and the logits gathere
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lowbit.kernels.cpu_block import FusedLayers
@@ -56,23 +63,40 @@ class Projections(nn.Module):
         return [p(x, exact) for p in self.parts]
 
 
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate, tanh approximation) * up, as transformers' gelu_pytorch_tanh."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig, w: dict, prefix: str, backend: Backend, tp: TPGroup | None = None):
+    def __init__(self, config: LlamaConfig, w: dict, prefix: str, backend: Backend, tp: TPGroup | None = None,
+                 layer: int = 0):
         """config: the shapes this process computes (under tensor parallelism, one rank's heads and
         MLP slice: models/sharding.py); tp: the group whose partial sums wo and w_down all-reduce."""
         super().__init__()
         c = config
+        fam = c.family
         self.c = c
         self.ops = backend
         self.tp = tp
-        self.register_buffer("attn_norm", w[prefix + "attn_norm"].float().to(backend.device), persistent=False)
-        self.register_buffer("ffn_norm", w[prefix + "ffn_norm"].float().to(backend.device), persistent=False)
+        vec = lambda name: w[prefix + name].float().to(backend.device)  # noqa: E731
+        self.register_buffer("attn_norm", vec("attn_norm"), persistent=False)
+        self.register_buffer("ffn_norm", vec("ffn_norm"), persistent=False)
+        # the family's variants (models/families.py); None where the block has no such norm
+        self.q_norm = vec("q_norm") if fam.qk_norm else None  # [head_dim], over each head
+        self.k_norm = vec("k_norm") if fam.qk_norm else None
+        self.attn_post_norm = vec("attn_post_norm") if fam.sandwich_norms else None  # [dim]
+        self.ffn_post_norm = vec("ffn_post_norm") if fam.sandwich_norms else None
+        self.act = backend.silu_mul if fam.activation == "silu" else gelu_tanh_mul
+        self.rope = c.rope_of(layer)  # "global" | "local" | "none"
+        # q times this before attention, so that the kernels' 1/sqrt(D) makes it the family's scale
+        self.q_scale = None if c.attn_scale is None else c.attn_scale * math.sqrt(c.head_dim)
         self.qkv = Projections([w[prefix + n] for n in ("wq", "wk", "wv")],
                                [w.get(prefix + n) for n in ("bq", "bk", "bv")], backend)
         self.wo = QuantLinear(w[prefix + "wo"], backend.linear)
         self.gate_up = Projections([w[prefix + "w_gate"], w[prefix + "w_up"]], [None, None], backend)
         self.w_down = QuantLinear(w[prefix + "w_down"], backend.linear)
-        self.fused = self._fused_block(backend)
+        self.fused = self._fused_block(backend) if c.plain else None
 
     def _fused_block(self, backend: Backend):
         """The backend's two-call form of this block (CPU decode), when its weights allow one (not
@@ -86,15 +110,17 @@ class Block(nn.Module):
                                    self.attn_norm, self.ffn_norm, (qkv.w, qkv.bias), (self.wo.w, self.wo.bias),
                                    (gate_up.w, gate_up.bias), (self.w_down.w, self.w_down.bias))
 
-    def forward(self, delta, residual, layer: int, cos, sin, attend, exact: bool | None,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, delta, residual, layer: int, ropes: dict, attend, exact: bool | None,
+                dtype: torch.dtype, q_temp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """delta: the previous block's output [M, dim] (the embeddings for layer 0), not yet added to
-        the fp32 residual [M, dim] (None for layer 0). `attend` is the cache's attention
-        (models/attention.py). Returns (this block's output, residual)."""
+        the fp32 residual [M, dim] (None for layer 0). `ropes`: cos, sin [M, D] per rotary kind
+        (models/rope.py); `attend` is the cache's attention (models/attention.py); `q_temp` [M, 1, 1]
+        multiplies the queries (Ministral 3). Returns (this block's output, residual)."""
         c, ops = self.c, self.ops
         M = delta.shape[0]
         if self.fused is not None and all_fast(exact, M):
             # every matmul on the fast kernel: the same arithmetic in two C calls (kernels/cpu_block.py)
+            cos, sin = ropes["global"]
             qkv, residual = self.fused.pre(delta, residual, cos, sin)  # [M, (H + 2 Hkv) D]
             q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
             attn = attend(layer, q.view(M, c.n_heads, c.head_dim), k.view(M, c.n_kv_heads, c.head_dim),
@@ -102,15 +128,30 @@ class Block(nn.Module):
             return self.fused.post(attn.contiguous(), residual), residual
         h, residual = ops.add_rms_norm(delta, residual, self.attn_norm, c.norm_eps, dtype)
         q, k, v = self.qkv(h, exact)
-        q, k = ops.rotary(q.view(M, c.n_heads, c.head_dim), k.view(M, c.n_kv_heads, c.head_dim), cos, sin)
+        q, k = q.reshape(M, c.n_heads, c.head_dim), k.reshape(M, c.n_kv_heads, c.head_dim)
+        if self.q_norm is not None:  # each head normed on its own: [M * heads, D] rows
+            q = ops.add_rms_norm(q.reshape(-1, c.head_dim), None, self.q_norm, c.norm_eps, dtype)[0].view_as(q)
+            k = ops.add_rms_norm(k.reshape(-1, c.head_dim), None, self.k_norm, c.norm_eps, dtype)[0].view_as(k)
+        if ropes.get(self.rope) is not None:
+            q, k = ops.rotary(q, k, *ropes[self.rope])
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        if q_temp is not None:
+            q = q * q_temp.to(q.dtype)
         attn = attend(layer, q, k, v.view(M, c.n_kv_heads, c.head_dim))  # fp32 [M, H*D]
         o = self.wo(attn.to(dtype), exact)  # [M, dim]
         if self.tp is not None:  # each rank multiplied its heads' columns: sum the partial products
             o = self.tp.all_reduce(o)
+        if self.attn_post_norm is not None:
+            o = ops.add_rms_norm(o, None, self.attn_post_norm, c.norm_eps, dtype)[0]
         h, residual = ops.add_rms_norm(o, residual, self.ffn_norm, c.norm_eps, dtype)
         gate, up = self.gate_up(h, exact)
-        out = self.w_down(ops.silu_mul(gate, up), exact)  # [M, dim]
-        return (out if self.tp is None else self.tp.all_reduce(out)), residual
+        out = self.w_down(self.act(gate, up), exact)  # [M, dim]
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
+        if self.ffn_post_norm is not None:
+            out = ops.add_rms_norm(out, None, self.ffn_post_norm, c.norm_eps, dtype)[0]
+        return out, residual
 
 
 class Llama(nn.Module):
@@ -139,10 +180,15 @@ class Llama(nn.Module):
         else:  # tied, but the table's lookup form has no matmul kernel here: a packed copy
             self.output = QuantLinear(embed, backend.linear)
         del embed
-        self.layers = nn.ModuleList(Block(local, weights, f"layers.{i}.", backend, tp) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(local, weights, f"layers.{i}.", backend, tp, i)
+                                    for i in range(config.n_layers))
         self.register_buffer("norm", weights["norm"].float().to(backend.device), persistent=False)
-        self.register_buffer("inv_freq", inv_frequencies(config, weights.get("rope_freqs")).to(backend.device),
-                             persistent=False)
+        # per rotary kind the layers use: (inv_freq fp32 [D/2], cos/sin scale [D/2] or None)
+        self.ropes = {}
+        for kind in sorted({config.rope_of(i) for i in range(config.n_layers)} - {"none"}):
+            inv, scale = inv_frequencies(config, weights.get("rope_freqs") if kind == "global" else None, kind)
+            self.ropes[kind] = (inv.to(backend.device), None if bool((scale == 1).all()) else scale.to(backend.device))
+        self.embed_scale = math.sqrt(config.dim) if config.family.embed_scale else None
         # every block fused (CPU, C kernels): a step whose rows are all single-token queries runs all of
         # them in one C call (kernels/cpu_block.py FusedLayers), the same arithmetic as block by block
         fused = [layer.fused for layer in self.layers]
@@ -157,25 +203,38 @@ class Llama(nn.Module):
         """The engine's step: tokens int [M] of several sequences (see PagedBatch), K/V written to
         and read from the paged pool (runtime/engine/kv_cache.py) → logits fp32 [R, V] for batch.logits_rows,
         or with `hidden` the final normed hidden states fp32 [R, dim] instead (embeddings)."""
-        cos, sin = rope_tables(self.inv_freq, batch.positions)  # [M, D]
-        attend = PagedAttention(pool, batch, self.config.sliding_window, self.backend)
-        return self._run(tokens, cos, sin, attend, batch.logits_rows, exact, hidden)
+        ropes = {kind: rope_tables(inv, batch.positions, scale) for kind, (inv, scale) in self.ropes.items()}  # [M, D]
+        c = self.config
+        attend = PagedAttention(pool, batch, [c.window_of(i) for i in range(c.n_layers)], self.backend)
+        return self._run(tokens, ropes, attend, batch.logits_rows, exact, hidden, self._temperature(batch.positions))
 
-    def _run(self, tokens: torch.Tensor, cos, sin, attend, rows: torch.Tensor | None,
-             exact: bool | None | ExactRows, hidden: bool = False) -> torch.Tensor:
+    def _temperature(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Ministral 3's query scale per token [M, 1, 1]: 1 + beta * ln(1 + floor(pos / original context))."""
+        if self.config.attn_temperature is None:
+            return None
+        beta, original = self.config.attn_temperature
+        return (1 + beta * torch.log1p(torch.floor(positions.float() / original)))[:, None, None]
+
+    def _run(self, tokens: torch.Tensor, ropes: dict, attend, rows: torch.Tensor | None,
+             exact: bool | None | ExactRows, hidden: bool = False,
+             q_temp: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [M] → logits fp32 [M, V], or [len(rows), V] for the rows asked for. `exact` may
         choose per row (ExactRows); activations are then in the backend's dtype (fp32 on CPU)."""
         dtype = torch.float32 if exact is True else self.backend.dtype
-        delta, residual = self._embed(tokens).to(dtype), None  # [M, dim]
+        delta, residual = self._embed(tokens), None  # [M, dim]
+        if self.embed_scale is not None:  # Gemma: transformers multiplies in fp32 (its table's dtype here)
+            delta = delta.float() * torch.tensor(self.embed_scale, dtype=torch.float32)
+        delta = delta.to(dtype)
         M = delta.shape[0]
         if self.fused_layers is not None and all_fast(exact, M) and attend.all_rows_in_c(M):
             # every row one token's query on the C kernels: the whole step in one C call, the same
             # arithmetic as block by block (kernels/cpu_block.py)
+            cos, sin = ropes["global"]
             delta, residual = attend.run_layers(self.fused_layers, delta.contiguous(), cos.contiguous(),
                                                 sin.contiguous())
         else:
             for i, layer in enumerate(self.layers):
-                delta, residual = layer(delta, residual, i, cos, sin, attend, exact, dtype)
+                delta, residual = layer(delta, residual, i, ropes, attend, exact, dtype, q_temp)
         if rows is not None and rows.numel() == 0:  # a step of prefill chunks that all end mid-prompt
             return torch.empty(0, self.config.vocab_size, device=tokens.device)
         if rows is not None:

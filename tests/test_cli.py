@@ -560,8 +560,17 @@ def test_hf_directory_without_tokenizer(work, empty_models, tmp_path):
 
 
 def test_unsupported_rope_scaling_fails_at_load(work, empty_models, tmp_path):
-    """YaRN (or any scaling lowbit does not implement) would silently give wrong long-context
-    logits; it must be refused with one line instead."""
+    """A rope scaling lowbit does not implement (here NTK "dynamic") would silently give wrong
+    long-context logits; it must be refused with one line instead. YaRN without the original context
+    it scales from is refused too, naming the missing key."""
+    def dynamic(w):
+        w.add_string("llama.rope.scaling.type", "dynamic")
+        w.add_rope_scaling_factor(4.0)
+
+    bad = write_tiny_gguf(tmp_path / "dynamic.gguf", extra=dynamic)
+    r = lowbit(["run", "--model", str(bad), "hi"], empty_models, work)
+    assert_one_line_error(r, "dynamic.gguf", "rope scaling type 'dynamic'")
+
     from gguf import RopeScalingType
 
     def yarn(w):
@@ -570,4 +579,4 @@ def test_unsupported_rope_scaling_fails_at_load(work, empty_models, tmp_path):
 
     bad = write_tiny_gguf(tmp_path / "yarn.gguf", extra=yarn)
     r = lowbit(["run", "--model", str(bad), "hi"], empty_models, work)
-    assert_one_line_error(r, "yarn.gguf", "rope scaling")
+    assert_one_line_error(r, "yarn.gguf", "missing metadata key llama.rope.scaling.original_context_length")

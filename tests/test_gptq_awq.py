@@ -463,7 +463,7 @@ def test_errors_name_the_problem(built, tmp_path):
         return lambda t: t.update({f"{q0}.bias": torch.full((128,), value, dtype=torch.float16)})
     load_hf_dir(_variant(path, tmp_path / "zb", edit=bias(0.0)), parse_weights("int4-g32"))
     _fails(_variant(path, tmp_path / "nzb", edit=bias(1.0)),
-           rf"tensor {q0}\.bias is not part of a lowbit Llama-family model")
+           rf"tensor {q0}\.bias is not part of a lowbit llama-family model")
 
     def zero_point_zero(t):  # a v1 word holding z - 1 = -1 for column 0
         t[f"{q0}.qzeros"][0, 0] = t[f"{q0}.qzeros"][0, 0] | 0xF

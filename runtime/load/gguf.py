@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from lowbit.models.config import LlamaConfig
+from lowbit.models.rope import head_rows, rotary_row_order
 from lowbit.quant import WeightSpec
 from lowbit.quant.ggml import LOSSLESS, REQUANTIZED, SUPPORTED, from_file_lazily, load_matrix, to_float_tensor
 from lowbit.runtime.errors import LowbitError
@@ -96,8 +97,9 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
     is told, in one line per type, of tensors `auto` cannot hold losslessly. weights: a LazyWeights
     (each value read when asked for); every tensor's name, type and shape are checked here first.
 
-    Names: embed, output (absent when tied), norm, rope_freqs (llama3 files), and per layer
-    `layers.{i}.{attn_norm,ffn_norm,wq,wk,wv,wo,w_gate,w_up,w_down,bq,bk,bv}`.
+    Names: embed, output (absent when tied), norm, rope_freqs (llama3 files; LongRoPE's short
+    factors), and per layer `layers.{i}.{attn_norm,ffn_norm,wq,wk,wv,wo,w_gate,w_up,w_down,bq,bk,bv}`,
+    plus the family's `q_norm, k_norm` and `attn_post_norm, ffn_post_norm` (models/families.py).
     """
     f = source if isinstance(source, GGUFFile) else GGUFFile(Path(source))
     path, meta = f.path, f.metadata
@@ -108,8 +110,9 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
             one = count == 1
             note(f"{count} tensor{'' if one else 's'} of type {qtype.name} {'has' if one else 'have'} no lossless "
                  f"lowbit layout: requantized to {REQUANTIZED[qtype].name}")
+    family = f"{meta.get('general.architecture')} model"
     if "token_embd.weight" not in tensors:
-        raise LowbitError(f"{path}: missing tensor token_embd.weight")
+        raise LowbitError(f"{path}: missing tensor token_embd.weight ({family})")
     embd = tensors["token_embd.weight"]
     try:
         config = LlamaConfig.from_gguf(meta, vocab_size=int(embd.shape[1]), tie_embeddings="output.weight" not in tensors)
@@ -118,7 +121,7 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
 
     def tensor(name: str):
         if name not in tensors:
-            raise LowbitError(f"{path}: missing tensor {name}")
+            raise LowbitError(f"{path}: missing tensor {name} ({family})")
         return tensors[name]
 
     def vector(name: str, size: int | None = None, rows: torch.Tensor | None = None):
@@ -147,6 +150,7 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
         return make
 
     c = config
+    fam = c.family
     # Embedding and LM head keep their file precision unless a float layout was asked for: they are
     # ~20% of a small model's bytes but set the quality of every logit.
     head_spec = target if target is not None and not target.quantized else None
@@ -156,25 +160,60 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
         make["output"] = matrix("output.weight", head_spec, None, (c.vocab_size, c.dim))
     if "rope_freqs.weight" in tensors:
         make["rope_freqs"] = vector("rope_freqs.weight")
-    permute = c.arch in ("llama", "mistral")  # qwen2 files keep HF's rotate-half order
-    q_rows = _gguf_to_hf_rows(c.n_heads * c.head_dim, c.n_heads) if permute else None
-    k_rows = _gguf_to_hf_rows(c.n_kv_heads * c.head_dim, c.n_kv_heads) if permute else None
+    elif "rope_factors_short.weight" in tensors:  # LongRoPE (Phi): the factors within the original context
+        make["rope_freqs"] = vector("rope_factors_short.weight")
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    q_rows, k_rows = _qk_rows(c)
     for i in range(c.n_layers):
         p, b = f"layers.{i}.", f"blk.{i}."
         make[p + "attn_norm"] = vector(b + "attn_norm.weight", c.dim)
         make[p + "ffn_norm"] = vector(b + "ffn_norm.weight", c.dim)
-        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        make[p + "wq"] = matrix(b + "attn_q.weight", target, q_rows, (q_dim, c.dim))
-        make[p + "wk"] = matrix(b + "attn_k.weight", target, k_rows, (kv_dim, c.dim))
-        make[p + "wv"] = matrix(b + "attn_v.weight", target, None, (kv_dim, c.dim))
+        if fam.qk_norm:
+            make[p + "q_norm"] = vector(b + "attn_q_norm.weight", c.head_dim)
+            make[p + "k_norm"] = vector(b + "attn_k_norm.weight", c.head_dim)
+        if fam.sandwich_norms:
+            make[p + "attn_post_norm"] = vector(b + "post_attention_norm.weight", c.dim)
+            make[p + "ffn_post_norm"] = vector(b + "post_ffw_norm.weight", c.dim)
+        if b + "attn_qkv.weight" in tensors:  # fused (Phi-3): whole rows of one tensor, split losslessly
+            whole = (q_dim + 2 * kv_dim, c.dim)
+            make[p + "wq"] = matrix(b + "attn_qkv.weight", target, _within(q_rows, 0, q_dim), whole)
+            make[p + "wk"] = matrix(b + "attn_qkv.weight", target, _within(k_rows, q_dim, kv_dim), whole)
+            make[p + "wv"] = matrix(b + "attn_qkv.weight", target, _within(None, q_dim + kv_dim, kv_dim), whole)
+        else:
+            make[p + "wq"] = matrix(b + "attn_q.weight", target, q_rows, (q_dim, c.dim))
+            make[p + "wk"] = matrix(b + "attn_k.weight", target, k_rows, (kv_dim, c.dim))
+            make[p + "wv"] = matrix(b + "attn_v.weight", target, None, (kv_dim, c.dim))
         make[p + "wo"] = matrix(b + "attn_output.weight", target, None, (c.dim, q_dim))
-        make[p + "w_gate"] = matrix(b + "ffn_gate.weight", target, None, (c.hidden_dim, c.dim))
-        make[p + "w_up"] = matrix(b + "ffn_up.weight", target, None, (c.hidden_dim, c.dim))
+        if b + "ffn_gate.weight" not in tensors and fam.fused_tensors:  # ffn_up holds [gate; up] (Phi-3)
+            whole = (2 * c.hidden_dim, c.dim)
+            make[p + "w_gate"] = matrix(b + "ffn_up.weight", target, _within(None, 0, c.hidden_dim), whole)
+            make[p + "w_up"] = matrix(b + "ffn_up.weight", target, _within(None, c.hidden_dim, c.hidden_dim), whole)
+        else:
+            make[p + "w_gate"] = matrix(b + "ffn_gate.weight", target, None, (c.hidden_dim, c.dim))
+            make[p + "w_up"] = matrix(b + "ffn_up.weight", target, None, (c.hidden_dim, c.dim))
         make[p + "w_down"] = matrix(b + "ffn_down.weight", target, None, (c.dim, c.hidden_dim))
         for n, rows in (("q", q_rows), ("k", k_rows), ("v", None)):
             if f"{b}attn_{n}.bias" in tensors:
                 make[p + "b" + n] = vector(f"{b}attn_{n}.bias", q_dim if n == "q" else kv_dim, rows)
     return config, LazyWeights(make, progress), meta
+
+
+def _qk_rows(c: LlamaConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Rows of the file's Q and K matrices in the model's order: llama.cpp's pair permutation undone
+    (families converted with it), then partial rotary's reorder (models/rope.py), or None for as stored."""
+    q = k = None
+    if c.family.gguf_permuted:
+        q, k = _gguf_to_hf_rows(c.n_heads * c.head_dim, c.n_heads), _gguf_to_hf_rows(c.n_kv_heads * c.head_dim, c.n_kv_heads)
+    order = rotary_row_order(c.head_dim, c.rotary_dim)
+    if order is not None:
+        qo, ko = head_rows(order, c.n_heads), head_rows(order, c.n_kv_heads)
+        q, k = (qo if q is None else q[qo]), (ko if k is None else k[ko])
+    return q, k
+
+
+def _within(rows: torch.Tensor | None, start: int, n: int) -> torch.Tensor:
+    """Rows [start, start + n) of a fused tensor, in the order `rows` gives within that part."""
+    return start + (torch.arange(n) if rows is None else rows)
 
 
 def gguf_tensor_bytes(path: Path) -> int:

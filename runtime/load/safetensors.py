@@ -1,13 +1,15 @@
 """Hugging Face checkpoint directory (config.json + *.safetensors) → (config, lowbit weights, config dict).
 
-Llama-family only (model_type llama, mistral, qwen2). Tensors are read one at a time through
+Every family of models/families.py (its model_types; a multimodal wrapper's language model). Tensors are read one at a time through
 `safetensors.safe_open` (memory-mapped) and quantized to the target layout as they arrive, so the
 peak is the final weights plus one source tensor in fp32, never a full-precision copy of the model.
 Every tensor's name and shape is checked against config.json before anything is converted, so a
 wrong or truncated checkpoint fails at once with one line naming file and tensor.
 
 HF keeps Q/K rows in rotate-half order, which is the model's own convention: no permutation here
-(GGUF `llama` files need one; see runtime/load/gguf.py).
+(GGUF `llama` files need one; see runtime/load/gguf.py), except partial rotary's reorder within each
+head (models/rope.py). Fused tensors (Phi-3's qkv_proj, gate_up_proj) are split by whole rows, and
+Gemma's norms stored as w - 1 get their 1 back.
 
 Pre-quantized 4-bit GPTQ and AWQ checkpoints (config.json `quantization_config`, quant/gptq.py): each
 quantized linear is a module's qweight / qzeros / scales (/ g_idx) instead of its `.weight`, checked
@@ -30,6 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lowbit.models.config import LlamaConfig
+from lowbit.models.rope import head_rows, rotary_row_order
 from lowbit.quant import WeightSpec, parse_weights, quantize_weight
 from lowbit.quant.dense import to_float
 from lowbit.quant.gptq import PackedSpec, dequantize, parse_quantization_config, to_lowbit
@@ -44,6 +47,19 @@ LAYER_MATRICES = MappingProxyType({
 })
 LAYER_VECTORS = MappingProxyType({"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight"})
 LAYER_BIASES = MappingProxyType({"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"})
+QK_NORMS = MappingProxyType({"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"})
+# Gemma: four norms a block, and the one after attention is the post-attention one
+SANDWICH_NORMS = MappingProxyType({"attn_norm": "input_layernorm.weight", "attn_post_norm": "post_attention_layernorm.weight",
+                                   "ffn_norm": "pre_feedforward_layernorm.weight",
+                                   "ffn_post_norm": "post_feedforward_layernorm.weight"})
+# Phi-3: one tensor for q, k, v and one for gate, up; lowbit names → (HF name, its part)
+FUSED = MappingProxyType({"wq": ("self_attn.qkv_proj.weight", 0), "wk": ("self_attn.qkv_proj.weight", 1),
+                          "wv": ("self_attn.qkv_proj.weight", 2), "w_gate": ("mlp.gate_up_proj.weight", 0),
+                          "w_up": ("mlp.gate_up_proj.weight", 1)})
+# Multimodal wrappers (Gemma 3 4B+, Mistral 3): the language model's tensors sit under one of these, and the
+# vision tower's are not the language model's
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 # Buffers some older checkpoints saved alongside the weights; recomputed from config, never read.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = MappingProxyType({"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -136,15 +152,20 @@ def load_hf_dir(path: Path, target: WeightSpec,
 
     with ExitStack() as stack:
         where = _open_all(path, shard_files(path), stack)
-        prefix = "model." if any(k.startswith("model.layers.") or k == "model.embed_tokens.weight" for k in where) else ""
+        prefix = next((t for t in TEXT_PREFIXES if t + "embed_tokens.weight" in where), None)
+        if prefix is None:
+            prefix = "model." if any(k.startswith("model.layers.") or k == "model.embed_tokens.weight" for k in where) else ""
         embed_name = prefix + "embed_tokens.weight"
         if embed_name not in where:
             raise LowbitError(f"{path}: missing tensor {embed_name}")
         vocab = int(where[embed_name][1].get_slice(embed_name).get_shape()[0])
         if vocab != config.vocab_size:  # padded tables: the tensor is the truth, as for GGUF
             config = dataclasses.replace(config, vocab_size=vocab)
-        plan = _plan(config, prefix, packed)
-        _check(path, plan, where, packed)
+        if packed is not None and (config.family.fused_tensors or config.rotary_dim is not None):
+            raise LowbitError(f"{path}: {packed.method} checkpoints of {config.arch} (fused or partially rotated "
+                              "projections) are not supported; use its safetensors in 16 bits or a GGUF")
+        plan = _plan(config, prefix, packed, where)
+        _check(path, plan, where, packed, config.arch)
         weights = _convert(config, plan, where, target, progress, packed)
     return config, weights, cfg
 
@@ -162,36 +183,54 @@ def _packed_spec(path: Path, cfg: dict) -> PackedSpec | None:
         raise LowbitError(f"{path / 'config.json'}: {e}") from None
 
 
-def _plan(c: LlamaConfig, prefix: str, packed: PackedSpec | None = None) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """(lowbit name, HF name, expected shape, kind) in load order; kind is matrix, head or vector, or
-    packed: a pre-quantized linear, named by its module (`….q_proj`), whose tensors `packed` lists."""
+def _plan(c: LlamaConfig, prefix: str, packed: PackedSpec | None = None,
+          where: dict | None = None) -> list[tuple[str, str, tuple[int, ...], str, torch.Tensor | None]]:
+    """(lowbit name, HF name, expected shape, kind, rows) in load order; kind is matrix, head, norm or
+    vector, or packed: a pre-quantized linear, named by its module (`….q_proj`), whose tensors `packed`
+    lists; rows (int64, or None for all in order) are the rows of the HF tensor the lowbit one takes:
+    a part of a fused tensor (Phi-3), or q/k rows reordered for partial rotary (models/rope.py)."""
+    fam = c.family
     D, Dq, Dkv = c.dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    plan = [("embed", prefix + "embed_tokens.weight", (c.vocab_size, D), "head"),
-            ("norm", prefix + "norm.weight", (D,), "vector")]
+    plan = [("embed", prefix + "embed_tokens.weight", (c.vocab_size, D), "head", None),
+            ("norm", prefix + "norm.weight", (D,), "norm", None)]
     if not c.tie_embeddings:
-        plan.append(("output", "lm_head.weight", (c.vocab_size, D), "head"))
+        plan.append(("output", "lm_head.weight", (c.vocab_size, D), "head", None))
     mats = {"wq": (Dq, D), "wk": (Dkv, D), "wv": (Dkv, D), "wo": (D, Dq),
             "w_gate": (c.hidden_dim, D), "w_up": (c.hidden_dim, D), "w_down": (D, c.hidden_dim)}
     biases = {"bq": (Dq,), "bk": (Dkv,), "bv": (Dkv,)}
+    order = rotary_row_order(c.head_dim, c.rotary_dim)
+    own = {"wq": head_rows(order, c.n_heads), "wk": head_rows(order, c.n_kv_heads)}  # within each part
+    own |= {"bq": own["wq"], "bk": own["wk"]}
+    parts = {"self_attn.qkv_proj.weight": [Dq, Dkv, Dkv], "mlp.gate_up_proj.weight": [c.hidden_dim, c.hidden_dim]}
     for i in range(c.n_layers):
         hp, lp = f"{prefix}layers.{i}.", f"layers.{i}."
-        plan += [(lp + n, hp + hf, (D,), "vector") for n, hf in LAYER_VECTORS.items()]
+        norms = SANDWICH_NORMS if fam.sandwich_norms else LAYER_VECTORS
+        plan += [(lp + n, hp + hf, (D,), "norm", None) for n, hf in norms.items()]
+        if fam.qk_norm:
+            plan += [(lp + n, hp + hf, (c.head_dim,), "norm", None) for n, hf in QK_NORMS.items()]
+        fused = fam.fused_tensors and where is not None and hp + FUSED["wq"][0] in where
         for n, hf in LAYER_MATRICES.items():
             module = hp + hf.removesuffix(".weight")
+            if fused and n in FUSED:
+                name, part = FUSED[n]
+                sizes = parts[name]
+                start = sum(sizes[:part])
+                rows = start + (torch.arange(sizes[part]) if own.get(n) is None else own[n])
+                plan.append((lp + n, hp + name, (sum(sizes), D), "matrix", rows))
             # modules_to_not_convert: a substring of the module's name, as transformers matches them
-            if packed is not None and not any(m in module for m in packed.keep_float):
-                plan.append((lp + n, module, mats[n], "packed"))
+            elif packed is not None and not any(m in module for m in packed.keep_float):
+                plan.append((lp + n, module, mats[n], "packed", None))
             else:
-                plan.append((lp + n, hp + hf, mats[n], "matrix"))
+                plan.append((lp + n, hp + hf, mats[n], "matrix", own.get(n)))
         if c.qkv_bias:
-            plan += [(lp + n, hp + hf, biases[n], "vector") for n, hf in LAYER_BIASES.items()]
+            plan += [(lp + n, hp + hf, biases[n], "vector", own.get(n)) for n, hf in LAYER_BIASES.items()]
     return plan
 
 
-def _check(path: Path, plan, where: dict, packed: PackedSpec | None = None) -> None:
+def _check(path: Path, plan, where: dict, packed: PackedSpec | None = None, family: str = "llama") -> None:
     """Every tensor present with the shape config.json implies, and nothing the model would ignore."""
     wanted, modules = set(), set()
-    for _, name, shape, kind in plan:
+    for _, name, shape, kind, _ in plan:
         if kind == "packed":
             modules.add(name)
             wanted |= _check_packed(path, name, shape, where, packed)
@@ -204,13 +243,14 @@ def _check(path: Path, plan, where: dict, packed: PackedSpec | None = None) -> N
         if got != shape:
             raise LowbitError(f"{f}: tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
     for name, (f, handle) in where.items():
-        if name in wanted or name.endswith(IGNORED_SUFFIXES) or name == "lm_head.weight":
-            continue  # lm_head.weight next to tie_word_embeddings=true: a duplicate of the table
+        if name in wanted or name.endswith(IGNORED_SUFFIXES) or name == "lm_head.weight" \
+                or name.startswith(VISION_PREFIXES):
+            continue  # a multimodal checkpoint's vision tower: not the language model's  # lm_head.weight next to tie_word_embeddings=true: a duplicate of the table
         if name.removesuffix(".bias") in modules and not handle.get_tensor(name).any():
             continue  # GPTQ-for-LLaMa's QuantLinear saved a zero bias on every linear: adding 0 changes nothing
         # e.g. o_proj.bias / mlp biases (attention_bias, mlp_bias): silently dropping them would
         # give a model that loads and computes the wrong thing.
-        raise LowbitError(f"{f}: tensor {name} is not part of a lowbit Llama-family model (unsupported variant)")
+        raise LowbitError(f"{f}: tensor {name} is not part of a lowbit {family}-family model (unsupported variant)")
 
 
 def _check_packed(path: Path, module: str, shape: tuple[int, int], where: dict, packed: PackedSpec) -> set[str]:
@@ -244,8 +284,9 @@ def _convert(c: LlamaConfig, plan, where: dict, target: WeightSpec, progress,
     # share of a small model's bytes but set the quality of every logit — else the float target.
     head_spec = parse_weights("int8-g32") if target.quantized else target
     weights: dict[str, Any] = {}
-    layer_of = [int(n.split(".")[1]) if n.startswith("layers.") else None for n, _, _, _ in plan]
-    for j, (lname, name, shape, kind) in enumerate(plan):
+    layer_of = [int(n.split(".")[1]) if n.startswith("layers.") else None for n, _, _, _, _ in plan]
+    plus_one = c.family.norm_plus_one  # Gemma's norms multiply by (1 + w): the model multiplies by what it holds
+    for j, (lname, name, shape, kind, rows) in enumerate(plan):
         if kind == "packed":
             weights[lname] = _relay(name, shape, where, target, packed)
             _progress(progress, layer_of, j)
@@ -254,7 +295,11 @@ def _convert(c: LlamaConfig, plan, where: dict, target: WeightSpec, progress,
         t = handle.get_tensor(name)  # source dtype (bf16/fp16/fp32); the quantizer takes it as is
         if not t.is_floating_point():
             raise LowbitError(f"{f}: tensor {name} has dtype {t.dtype}, expected a float tensor")
-        if kind == "vector":
+        if rows is not None:
+            t = t[rows]
+        if kind == "norm" and plus_one:
+            weights[lname] = (1.0 + t.float()).contiguous()  # transformers: output * (1.0 + weight.float())
+        elif kind in ("vector", "norm"):
             weights[lname] = t.float().contiguous()
         else:
             weights[lname] = quantize_weight(t, head_spec if kind == "head" else target)
