@@ -1,7 +1,8 @@
 /* The small per-row ops of a Llama block on CPU (add + RMS norm, rotary, SiLU * up), and the two
  * fused halves of a decode step's block built from them and the matmuls of cpu_wq_mm.c:
  *
- *   lowbit_block_pre:  residual += delta; h = norm(residual); qkv = h @ Wqkv^T (+ b); rotary(q, k)
+ *   lowbit_block_pre:  residual += delta; h = norm(residual); qkv = h @ Wqkv^T (+ b); q/k head norms
+ *                      (Qwen3; when the block has them); rotary(q, k)
  *   lowbit_block_post: o = attn @ Wo^T; residual += o; h = norm(residual);
  *                      gu = h @ Wgu^T; delta = (silu(gate) * up) @ Wdown^T
  *
@@ -32,6 +33,8 @@
  * is one thread's work either way, so results do not depend on it. Decode rows (M < 16) stay on one
  * thread: waking the others costs more than the loop (576-wide norm: ~1 us). */
 #define PARALLEL_MIN 65536
+/* q/k norms run on a stack copy of one head (Gemma's 256 is the widest shipped) */
+#define LOWBIT_MAX_HEAD_DIM 512
 
 /* Per row m: r = res[m] + x[m] (r = x[m] when !has_res), res[m] = r, out[m] = r * rstd * w with
  * rstd = 1 / sqrt(mean(r^2) + eps). x rows are sx floats apart; res and out are [M, D]. The sum of
@@ -152,6 +155,8 @@ static int block_check(const lowbit_ctx *c, const lowbit_block *b) {
     if (lowbit_linear_rows(&b->qkv) != (H + 2 * Hkv) * D || b->qkv.K != b->dim || lowbit_linear_rows(&b->o) != b->dim || b->o.K != H * D ||
         lowbit_linear_rows(&b->gate_up) != 2 * b->hidden || b->gate_up.K != b->dim || lowbit_linear_rows(&b->down) != b->dim || b->down.K != b->hidden)
         return -1;
+    if ((b->q_norm == NULL) != (b->k_norm == NULL) || (b->q_norm && D > LOWBIT_MAX_HEAD_DIM))
+        return -1;
     return 0;
 }
 
@@ -176,6 +181,13 @@ static void block_pre_team(const lowbit_ctx *c, const lowbit_block *b, int64_t M
     const int64_t D = b->head_dim, row = (b->n_heads + 2 * b->n_kv_heads) * D;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
+        if (b->q_norm) {  /* each head normed on its own, as the per-op path's add_rms_norm rows: same bits */
+            float tmp[LOWBIT_MAX_HEAD_DIM];
+            for (int64_t h = 0; h < b->n_heads + b->n_kv_heads; h++) {
+                float *x = qkv + m * row + h * D;
+                lowbit_add_rms_norm(x, D, tmp, 0, h < b->n_heads ? b->q_norm : b->k_norm, b->eps, 1, D, x);
+            }
+        }
         lowbit_rotary(qkv + m * row, 1, b->n_heads, row, D, D, cos + m * D, sin + m * D);
         lowbit_rotary(qkv + m * row + b->n_heads * D, 1, b->n_kv_heads, row, D, D, cos + m * D, sin + m * D);
     }

@@ -110,10 +110,12 @@ def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
 
 
 def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
-                qkv: tuple, o: tuple, gate_up: tuple, down: tuple, *, native) -> FusedBlock | None:
+                qkv: tuple, o: tuple, gate_up: tuple, down: tuple, qk_norms: tuple | None = None, *,
+                native) -> FusedBlock | None:
     """dims = (dim, n_heads, n_kv_heads, head_dim, hidden); norms fp32 [dim]; each weight a (packed
-    layout, fp32 bias or None) pair, QKV and gate/up already fused along N; native: the C kernels →
-    a FusedBlock, or None without them or when a weight is in a layout they do not read whole."""
+    layout, fp32 bias or None) pair, QKV and gate/up already fused along N; qk_norms: (q, k) fp32
+    [head_dim] norms over each head (Qwen3) or None; native: the C kernels → a FusedBlock, or None
+    without them or when a weight is in a layout they do not read whole."""
     if native is None:
         return None
     dim, H, Hkv, D, hidden = dims
@@ -124,9 +126,13 @@ def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: tor
     for t in (attn_norm, ffn_norm):
         if t.dtype != torch.float32 or t.shape != (dim,) or not t.is_contiguous():
             return None
-    desc = cpu_native._Block(dim, H, Hkv, D, hidden, eps, attn_norm.data_ptr(), ffn_norm.data_ptr(), *linears)
-    held = [attn_norm, ffn_norm] + [t for w, b in (qkv, o, gate_up, down) for t in (*vars(w).values(), b)
-                                    if isinstance(t, torch.Tensor)] + [w for w, _ in (qkv, o, gate_up, down)]
+    qk = qk_norms or ()
+    if any(t.dtype != torch.float32 or t.shape != (D,) or not t.is_contiguous() for t in qk) or D > 512:
+        return None  # 512: cpu_block.c's LOWBIT_MAX_HEAD_DIM
+    desc = cpu_native._Block(dim, H, Hkv, D, hidden, eps, attn_norm.data_ptr(), ffn_norm.data_ptr(), *linears,
+                             *((t.data_ptr() for t in qk) if qk else (None, None)))
+    held = [attn_norm, ffn_norm, *qk] + [t for w, b in (qkv, o, gate_up, down) for t in (*vars(w).values(), b)
+                                         if isinstance(t, torch.Tensor)] + [w for w, _ in (qkv, o, gate_up, down)]
     return FusedBlock(desc, held, native)
 
 

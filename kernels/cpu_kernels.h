@@ -14,7 +14,7 @@
  * prototype), and the sizeof and each field's offset and size of every struct it mirrors against
  * lowbit_abi_layout (cpu_wq_mm.c), so a change on one side only refuses the library instead of
  * corrupting memory. */
-#define LOWBIT_ABI_VERSION 3
+#define LOWBIT_ABI_VERSION 4
 
 int lowbit_abi_version(void);  /* LOWBIT_ABI_VERSION */
 /* The layout of the structs cpu_native.py mirrors, one entry per struct ("lowbit_block": offset 0,
@@ -155,6 +155,7 @@ typedef struct {
     float eps;
     const float *attn_norm, *ffn_norm;  /* fp32 [dim] */
     lowbit_linear qkv, o, gate_up, down;  /* qkv: [(H + 2 Hkv) D, dim]; gate_up: [2 hidden, dim] */
+    const float *q_norm, *k_norm;  /* fp32 [head_dim]: RMSNorm over each head before rotary (Qwen3), or NULL */
 } lowbit_block;
 
 /* One side (K or V) of one layer of the paged pool (runtime/engine/kv_cache.py), as stored (codes points at

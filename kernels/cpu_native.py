@@ -113,7 +113,8 @@ class _Block(ctypes.Structure):
     _fields_ = [("dim", ctypes.c_int64), ("n_heads", ctypes.c_int64), ("n_kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("hidden", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
-                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
 
 
 class _KVSide(ctypes.Structure):
@@ -124,7 +125,7 @@ class _KVSide(ctypes.Structure):
 
 # The structs that cross into C, by their names in cpu_kernels.h (`check_abi` compares each with C).
 ABI_STRUCTS = (("lowbit_linear", _Linear), ("lowbit_ctx", _Ctx), ("lowbit_block", _Block), ("lowbit_kv_side", _KVSide))
-ABI_VERSION = 3  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
+ABI_VERSION = 4  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
 
 
 class AbiMismatch(Exception):

@@ -79,7 +79,7 @@ static const struct {
     ABI_FIELD(lowbit_block, n_kv_heads), ABI_FIELD(lowbit_block, head_dim), ABI_FIELD(lowbit_block, hidden),
     ABI_FIELD(lowbit_block, eps), ABI_FIELD(lowbit_block, attn_norm), ABI_FIELD(lowbit_block, ffn_norm),
     ABI_FIELD(lowbit_block, qkv), ABI_FIELD(lowbit_block, o), ABI_FIELD(lowbit_block, gate_up),
-    ABI_FIELD(lowbit_block, down),
+    ABI_FIELD(lowbit_block, down), ABI_FIELD(lowbit_block, q_norm), ABI_FIELD(lowbit_block, k_norm),
     ABI_STRUCT(lowbit_kv_side), ABI_FIELD(lowbit_kv_side, bits), ABI_FIELD(lowbit_kv_side, group),
     ABI_FIELD(lowbit_kv_side, codes), ABI_FIELD(lowbit_kv_side, scales), ABI_FIELD(lowbit_kv_side, mins),
 };

@@ -81,14 +81,42 @@ class LlamaConfig:
         return "global" if self.rope_layers is None else self.rope_layers[layer]
 
     @property
-    def plain(self) -> bool:
-        """Whether every block is the Llama block the fused C kernels compute (kernels/cpu_block.c):
-        one rotary table over whole heads, 1/sqrt(D) attention, SwiGLU, two norms, one window."""
+    def fused_decode(self) -> bool:
+        """Whether every block is one the fused C kernels compute (kernels/cpu_block.c): the Llama block —
+        one rotary table over whole heads, 1/sqrt(D) attention, SwiGLU, two norms, one window — with or
+        without per-head q/k norms (Qwen3)."""
         f = self.family
-        return not (f.qk_norm or f.sandwich_norms or f.activation != "silu" or f.embed_scale
+        return not (f.sandwich_norms or f.activation != "silu" or f.embed_scale
                     or self.rope_layers is not None or self.window_layers is not None
                     or self.rotary_dim not in (None, self.head_dim) or self.attn_scale is not None
                     or self.attn_temperature is not None)
+
+    def variants(self) -> list[str]:
+        """The block's variant switches in words (`lowbit info`), empty for a plain Llama block."""
+        f, out = self.family, []
+        out += ["Q/K/V biases"] if self.qkv_bias else []
+        out += ["per-head q/k norms"] if f.qk_norm else []
+        out += ["norms after attention and MLP"] if f.sandwich_norms else []
+        out += ["GeGLU"] if f.activation == "gelu_tanh" else []
+        out += ["embeddings x sqrt(dim)"] if f.embed_scale else []
+        if self.attn_scale is not None:
+            out.append(f"attention scale {self.attn_scale:.4g}")
+        if self.rotary_dim is not None:
+            out.append(f"rotary on {self.rotary_dim} of {self.head_dim} dims")
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            out.append(f"rope {s.kind}" + (f" x{s.factor:g}" if s.kind != "longrope" else "")
+                       + (f" from {s.original_max_position}" if s.kind in ("yarn", "longrope") else ""))
+        if self.rope_layers is not None:
+            kinds = {k: self.rope_layers.count(k) for k in ("global", "local", "none") if k in self.rope_layers}
+            notes = {"local": f" (rope base {self.rope_local_theta:g})", "none": " (no rope)"}
+            out.append("layers: " + ", ".join(f"{n} {k}{notes.get(k, '')}" for k, n in kinds.items()))
+        if self.sliding_window is not None:
+            n = self.n_layers if self.window_layers is None else sum(self.window_layers)
+            out.append(f"sliding window {self.sliding_window} on {n} of {self.n_layers} layers")
+        if self.attn_temperature is not None:
+            out.append(f"query temperature beta {self.attn_temperature[0]:g} past {self.attn_temperature[1]}")
+        return out
 
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any], vocab_size: int, tie_embeddings: bool) -> "LlamaConfig":
@@ -212,7 +240,8 @@ def _hf_rope_scaling(rs: Mapping[str, Any], cfg: Mapping[str, Any], max_pos: int
                    or max_pos)
     if kind == "llama3":
         return RopeScaling("llama3", float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
-                           float(rs.get("high_freq_factor", 4.0)), int(rs.get("original_max_position_embeddings", 8192)))
+                           float(rs.get("high_freq_factor", 4.0)),
+                           int(rs.get("original_max_position_embeddings", 8192)))
     if kind == "linear":
         return RopeScaling("linear", float(rs["factor"]))
     if kind == "yarn":
@@ -257,4 +286,5 @@ def _gguf_rope_scaling(meta: Mapping[str, Any], arch: str, get) -> RopeScaling |
     if kind in ("longrope", "su"):
         return RopeScaling("longrope", 1.0, attention_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
                            original_max_position=int(meta.get(f"{arch}.rope.scaling.original_context_length") or 0))
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, yarn, longrope; llama3 via rope_freqs)")
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, yarn, longrope; "
+                     "llama3 via rope_freqs)")

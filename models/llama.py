@@ -11,8 +11,9 @@ Precision: the residual stream is fp32 (its add is fused into the next norm), at
 Between kernels, activations are fp32 on CPU and fp16/bf16 on CUDA. The weight-only matmuls on
 CPU go through the C kernels' 16-bit activation codes (kernels/cpu_native.py); `exact=True` forces
 exact fp32 everywhere, on CUDA too (see kernels/int4_mm.py, kernels/wq_mm.py and
-runtime/engine/speculative.py's verified greedy), and `ExactRows` chooses per row. A plain Llama block
-(config.plain) runs as two fused C calls on CPU decode; a block with variants runs op by op.
+runtime/engine/speculative.py's verified greedy), and `ExactRows` chooses per row. A Llama block, with
+Qwen3's q/k norms or without (config.fused_decode), runs as two fused C calls on CPU decode; a block
+with other variants runs op by op.
 
 Activations run token-major, [M, dim] with M the step's tokens, which is the shape every kernel takes.
 
@@ -83,10 +84,9 @@ class Block(nn.Module):
         self.register_buffer("attn_norm", vec("attn_norm"), persistent=False)
         self.register_buffer("ffn_norm", vec("ffn_norm"), persistent=False)
         # the family's variants (models/families.py); None where the block has no such norm
-        self.q_norm = vec("q_norm") if fam.qk_norm else None  # [head_dim], over each head
-        self.k_norm = vec("k_norm") if fam.qk_norm else None
-        self.attn_post_norm = vec("attn_post_norm") if fam.sandwich_norms else None  # [dim]
-        self.ffn_post_norm = vec("ffn_post_norm") if fam.sandwich_norms else None
+        for name, there in (("q_norm", fam.qk_norm), ("k_norm", fam.qk_norm),  # [head_dim], over each head
+                            ("attn_post_norm", fam.sandwich_norms), ("ffn_post_norm", fam.sandwich_norms)):  # [dim]
+            self.register_buffer(name, vec(name) if there else None, persistent=False)
         self.act = backend.silu_mul if fam.activation == "silu" else gelu_tanh_mul
         self.rope = c.rope_of(layer)  # "global" | "local" | "none"
         # q times this before attention, so that the kernels' 1/sqrt(D) makes it the family's scale
@@ -96,7 +96,7 @@ class Block(nn.Module):
         self.wo = QuantLinear(w[prefix + "wo"], backend.linear)
         self.gate_up = Projections([w[prefix + "w_gate"], w[prefix + "w_up"]], [None, None], backend)
         self.w_down = QuantLinear(w[prefix + "w_down"], backend.linear)
-        self.fused = self._fused_block(backend) if c.plain else None
+        self.fused = self._fused_block(backend) if c.fused_decode else None
 
     def _fused_block(self, backend: Backend):
         """The backend's two-call form of this block (CPU decode), when its weights allow one (not
@@ -108,7 +108,8 @@ class Block(nn.Module):
         qkv, gate_up = self.qkv.parts[0], self.gate_up.parts[0]
         return backend.fused_block((c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim), c.norm_eps,
                                    self.attn_norm, self.ffn_norm, (qkv.w, qkv.bias), (self.wo.w, self.wo.bias),
-                                   (gate_up.w, gate_up.bias), (self.w_down.w, self.w_down.bias))
+                                   (gate_up.w, gate_up.bias), (self.w_down.w, self.w_down.bias),
+                                   None if self.q_norm is None else (self.q_norm, self.k_norm))
 
     def forward(self, delta, residual, layer: int, ropes: dict, attend, exact: bool | None,
                 dtype: torch.dtype, q_temp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,8 @@ def rotary_row_order(head_dim: int, rotary_dim: int | None) -> torch.Tensor | No
     if r % 2 or (D - r) % 2:
         raise ValueError(f"rotary dims {r} of head size {D}: both must be even")
     half, rest = r // 2, (D - r) // 2
-    return torch.cat([torch.arange(half), r + torch.arange(rest), half + torch.arange(half), r + rest + torch.arange(rest)])
+    return torch.cat([torch.arange(half), r + torch.arange(rest),  # the pairs' first halves, then the rest's
+                      half + torch.arange(half), r + rest + torch.arange(rest)])
 
 
 def head_rows(order: torch.Tensor | None, n_heads: int) -> torch.Tensor | None:

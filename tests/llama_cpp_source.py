@@ -17,7 +17,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/")  # templates: real chat formats
 
 
 def cache_dir() -> Path:
@@ -31,7 +31,7 @@ def converter_dir() -> Path:
     version = importlib.metadata.version("llama_cpp_python")
     root = cache_dir() / f"llama_cpp_python-{version}"
     tree = root / "llama.cpp"
-    if (tree / "convert_hf_to_gguf.py").is_file() and (tree / "gguf-py").is_dir():
+    if all((tree / w).exists() for w in WANTED):
         return tree
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
@@ -43,12 +43,20 @@ def converter_dir() -> Path:
             raise RuntimeError(f"pip download of the llama-cpp-python {version} sdist failed: {r.stderr[-2000:]}")
         prefix = f"{sdists[0].name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
         part = root / "llama.cpp.part"
+        if part.exists():  # left by a run that stopped half-way
+            import shutil
+
+            shutil.rmtree(part)
         with tarfile.open(sdists[0]) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(prefix)
                        and any(m.name[len(prefix):].startswith(w) for w in WANTED)]
             for m in members:
                 m.name = m.name[len(prefix):]
             tar.extractall(part, members=members, filter="data")
+        if tree.exists():  # an older cache without some of WANTED
+            import shutil
+
+            shutil.rmtree(tree)
         part.rename(tree)
     return tree
 

@@ -371,7 +371,7 @@ def tiny_info(tiny_gguf, work, empty_models) -> subprocess.CompletedProcess:
 def test_tiny_model_info(tiny_info):
     r = tiny_info
     assert r.returncode == 0, r.stderr
-    assert "architecture: llama" in r.stdout
+    assert "family: llama" in r.stdout
     assert f"layers {N_LAYERS}, dim {DIM}, heads {N_HEADS}/{N_KV_HEADS}" in r.stdout
     assert f"vocab {len(TOKENS)}" in r.stdout and "tied embeddings True" in r.stdout
     assert "int4-g32" in r.stdout  # the Q4_1 projections, moved in losslessly
@@ -466,7 +466,7 @@ def test_info_default_model(default_models, default_gguf, work):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert f"path: {default_models / 'SmolLM2-135M-Instruct.Q4_1.gguf'}" in out
-    assert "format: gguf" in out and "architecture: llama" in out
+    assert "format: gguf" in out and "family: llama" in out
     assert "layers 30, dim 576, heads 9/3 (q/kv), head_dim 64, hidden 1536, vocab 49152" in out
     m = re.search(r"bytes held by weight tensors: ([\d,]+)", out)
     assert m, out

@@ -230,15 +230,20 @@ def test_small_ops_match_their_specs_and_rows_are_independent():
     assert torch.equal(silu_mul_cpu(torch.tensor([[-100.0, 0.0]]), torch.ones(1, 2), native=k_), torch.tensor([[-0.0, 0.0]]))
 
 
-def _tiny_model(weights: str, bias: bool = False, native="auto"):
+def _tiny_model(weights: str, bias: bool = False, native="auto", qk_norm: bool = False):
     from lowbit.models.backend import torch_backend
     from lowbit.models.config import LlamaConfig
     from lowbit.models.llama import Llama
     from lowbit.models.synthetic import random_weights
 
-    cfg = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
-                      vocab_size=80, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=64, tie_embeddings=False)
+    cfg = LlamaConfig(arch="qwen3" if qk_norm else "llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      head_dim=16, hidden_dim=96, vocab_size=80, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=64,
+                      tie_embeddings=False)
     w = random_weights(cfg, weights, "int8-g32", seed=1)
+    if qk_norm:  # Qwen3's per-head norms, 1 ± 0.2
+        g = torch.Generator().manual_seed(3)
+        for i in range(cfg.n_layers):
+            w |= {f"layers.{i}.{n}": 1 + 0.2 * torch.randn(16, generator=g) for n in ("q_norm", "k_norm")}
     if bias:  # Qwen2-style QKV biases
         g = torch.Generator().manual_seed(2)
         for i in range(cfg.n_layers):
@@ -246,13 +251,15 @@ def _tiny_model(weights: str, bias: bool = False, native="auto"):
     return Llama(cfg, w, torch_backend(native)).eval()
 
 
-@pytest.mark.parametrize("weights,bias", [("int4-g32", False), ("int4-sym-g32", True), ("int8-g32", False)])
-def test_fused_block_equals_the_op_by_op_block_bit_for_bit(weights, bias):
+@pytest.mark.parametrize("weights,bias,qk_norm", [("int4-g32", False, False), ("int4-sym-g32", True, False),
+                                                  ("int8-g32", False, False), ("int4-g32", False, True)])
+def test_fused_block_equals_the_op_by_op_block_bit_for_bit(weights, bias, qk_norm):
     """A decode step through the two fused C calls per block gives the same logits, bit for bit, as
     the same step op by op (C small ops, C matmul): the engine runs both forms in one reply (prompt
-    rows exact and op by op, generated rows fused), so a token must not depend on which it took."""
+    rows exact and op by op, generated rows fused), so a token must not depend on which it took.
+    qk_norm: Qwen3's per-head q/k norms, inside the fused first call."""
     _kernels()
-    model = _tiny_model(weights, bias)
+    model = _tiny_model(weights, bias, qk_norm=qk_norm)
     assert all(b.fused is not None for b in model.layers)
     ids = torch.randint(0, 80, (3, 9), generator=torch.Generator().manual_seed(0))
 
@@ -358,8 +365,9 @@ def test_exact_path_in_row_ranges(name, monkeypatch):
         assert torch.equal(mm(x, plain, exact=True), with_c)
 
 
-@pytest.mark.parametrize("kv", ["f32", "f16", "k8v4", "k4v4"])
-def test_one_call_paged_step_equals_the_block_by_block_step(kv, monkeypatch):
+@pytest.mark.parametrize("kv,qk_norm", [("f32", False), ("f16", False), ("k8v4", False), ("k4v4", False),
+                                        ("k8v4", True)])
+def test_one_call_paged_step_equals_the_block_by_block_step(kv, qk_norm, monkeypatch):
     """A decode step over the paged, quantized pool in one C call (every block: fused halves,
     quantize-on-write, paged attention) gives the logits and the pool contents, bit for bit, that the
     block-by-block path gives; so does a step with a short prompt chunk in it (its rows attended one by
@@ -370,7 +378,7 @@ def test_one_call_paged_step_equals_the_block_by_block_step(kv, monkeypatch):
     from lowbit.runtime.engine.kv_cache import KVPool
 
     _kernels()
-    model = _tiny_model("int4-g32")
+    model = _tiny_model("int4-g32", qk_norm=qk_norm)
     c, P = model.config, 4
     g = torch.Generator().manual_seed(6)
     ctxs = [5, 9, 2]  # tokens cached per sequence before the step

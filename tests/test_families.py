@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import math
 from pathlib import Path
 
 import numpy as np
@@ -45,42 +44,12 @@ from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load.gguf import gguf_tensor_bytes, load_gguf
 from lowbit.runtime.load.safetensors import load_hf_dir
 from tests import llama_cpp_source
+from tests.family_models import FAMILIES, SAFETENSORS_ONLY, build, save
 from tests.helpers import Sequences, forward
 
 transformers = importlib.import_module("transformers")
 gguf = importlib.import_module("gguf")
 
-SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
-             pad_token_id=0, bos_token_id=1, eos_token_id=2)
-GEMMA_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
-FAMILIES = {
-    # name: (config class, model class, extra config, GGUF architecture enum name)
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        head_dim=64, tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0)),
-        "QWEN3"),
-    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(tie_word_embeddings=True), "SMOLLM3"),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        # untied here (Gemma ties): a tied table times sqrt(dim) in the residual makes a random model predict
-        # its input token with probability 1, where no error shows; smollm3 covers tied tables
-        tie_word_embeddings=False,
-        num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
-        sliding_window=16, rope_parameters=GEMMA_ROPE), "GEMMA3"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
-        tie_word_embeddings=False, max_position_embeddings=65536, original_max_position_embeddings=2048,
-        partial_rotary_factor=0.75, rope_parameters=dict(
-            rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
-            short_factor=[1.0 + 0.1 * i for i in range(24)], long_factor=[2.0 + 0.1 * i for i in range(24)])), "PHI3"),
-    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(
-        head_dim=64, tie_word_embeddings=False, rope_parameters=dict(
-            rope_type="yarn", factor=16.0, original_max_position_embeddings=16, rope_theta=1e6, beta_fast=32.0,
-            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1, max_position_embeddings=4096)),
-        "MISTRAL3"),
-}
-# safetensors only: llama.cpp's GGUF has no key for it (it infers 27B's scale from the layer count)
-SAFETENSORS_ONLY = {"gemma3-scale": ("gemma3", dict(query_pre_attn_scalar=96))}
 F32_RTOL = 1e-4
 QUANT_KL = 1e-6
 # KL(transformers on the dequantized file ‖ llama.cpp) per family and type: ~3x the measured value
@@ -92,28 +61,6 @@ LLAMA_CPP_KL = {  # measured: Q8_0, Q4_K_M
     ("phi3", "Q8_0"): 1.5e-2, ("phi3", "Q4_K_M"): 3e-2,  # 4.2e-3, 8.5e-3
     ("ministral3", "Q8_0"): 1e-2, ("ministral3", "Q4_K_M"): 2e-2,  # 3.1e-3, 6.6e-3
 }
-LOGIT_STD = 3.0
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Real values everywhere (norms 1 ± 0.2 — Gemma's stored w - 1 then ±0.2 — unit-gain projections,
-    logits of std ≈ 3): HF's init gives near-uniform logits, against which no loader bug shows. Gemma's
-    embeddings times sqrt(dim) then enter with std 3: the first norm takes any scale."""
-    g = torch.Generator().manual_seed(seed)
-    gemma = model.config.model_type.startswith("gemma")
-    dim = model.config.hidden_size
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_((0.0 if gemma else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(LOGIT_STD / math.sqrt(dim) * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-
-
 @pytest.fixture(scope="module", autouse=True)
 def two_threads():
     n = torch.get_num_threads()
@@ -135,27 +82,6 @@ def hf_tokenizer(default_gguf, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def converter() -> Path:
     return llama_cpp_source.converter_dir()
-
-
-def build(name: str, vocab: int, seed: int = 0):
-    base, changes = SAFETENSORS_ONLY.get(name, (name, {}))
-    cfg_cls, model_cls, extra, _ = FAMILIES[base]
-    config = getattr(transformers, cfg_cls)(**{**SMALL, **extra, **changes, "vocab_size": vocab})
-    model = getattr(transformers, model_cls)(config).float().eval()
-    randomize(model, seed)
-    return model
-
-
-def save(model, tokenizer_dir: Path, d: Path, name: str) -> Path:
-    model.save_pretrained(d, safe_serialization=True)
-    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.save_pretrained(d)
-    if name == "phi3":  # Phi-4's tokenizer is GPT-2 BPE, and the converter reads it that way
-        import json
-
-        p = d / "tokenizer_config.json"
-        p.write_text(json.dumps({**json.loads(p.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
-    return d
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -304,9 +230,8 @@ def test_quantized_gguf_is_the_files_exact_model_and_agrees_with_llama_cpp(famil
 
 # ---- bad files: one line naming the file, the family and what is missing --------------------------
 
-def _copy_gguf(src: Path, dst: Path, drop: str | None = None, arch: str | None = None,
-               drop_key: str | None = None) -> Path:
-    r = gguf.GGUFReader(src)
+def _copy_gguf(r, dst: Path, drop: str | None = None, arch: str | None = None, drop_key: str | None = None) -> Path:
+    """A copy of the file gguf's reader `r` read, with one tensor or key dropped or another architecture."""
     old = str(r.fields["general.architecture"].contents())
     w = gguf.GGUFWriter(str(dst), arch or old)
     for key, f in r.fields.items():
@@ -328,18 +253,84 @@ def test_bad_family_files_fail_in_one_line(family, tmp_path):
     from tests.helpers import one_line
 
     name, _, _, files = family
-    src = files["F32"]
-    arch = str(gguf.GGUFReader(src).fields["general.architecture"].contents())
+    src = gguf.GGUFReader(files["F32"])  # read once: parsing the 49,152-token vocabulary takes seconds
+    arch = str(src.fields["general.architecture"].contents())
     cases = {
-        "unknown": (_copy_gguf(src, tmp_path / "unknown.gguf", arch="bert"), ("unknown.gguf", "unknown architecture 'bert'")),
+        "unknown": (_copy_gguf(src, tmp_path / "unknown.gguf", arch="bert"),
+                    ("unknown.gguf", "unknown architecture 'bert'")),
         "no-tensor": (_copy_gguf(src, tmp_path / "no_tensor.gguf", drop="blk.1.ffn_down.weight"),
                       ("no_tensor.gguf", "missing tensor blk.1.ffn_down.weight", arch)),
         "no-key": (_copy_gguf(src, tmp_path / "no_key.gguf", drop_key=f"{arch}.feed_forward_length"),
-                   ("no_key.gguf", f"missing metadata key {arch}.feed_forward_length", name.replace("ministral3", "mistral3"))),
+                   ("no_key.gguf", f"missing metadata key {arch}.feed_forward_length",
+                    name.replace("ministral3", "mistral3"))),
     }
-    for what, (path, needles) in cases.items():
+    for path, needles in cases.values():
         with pytest.raises(LowbitError) as e:
             from lowbit.runtime.load.loader import load
 
             load(str(path), "auto", progress=False)
         one_line(e, *needles)
+
+
+# ---- rotary tables against transformers' own -----------------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "ministral3", "gemma3"])
+def test_rotary_frequencies_and_scale_equal_transformers(name):
+    """YaRN (Qwen3, Ministral 3 with mscale), LongRoPE with partial rotary (Phi: short factors) and
+    Gemma 3's two kinds (local: default, global: linear x8): models/rope.py's inverse frequencies and
+    cos/sin scale against transformers' ROPE_INIT_FUNCTIONS on the same config, within fp32 rounding."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lowbit.models.config import LlamaConfig
+    from lowbit.models.rope import inv_frequencies
+
+    hf = build(name, vocab=64).config
+    ours = LlamaConfig.from_hf(hf.to_dict())
+    kinds = [("global", "full_attention"), ("local", "sliding_attention")] if name == "gemma3" else [("global", None)]
+    for kind, layer_type in kinds:
+        params = hf.rope_parameters[layer_type] if layer_type else hf.rope_parameters
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, ours.head_dim, 2).float() / ours.head_dim))
+            factor = 1.0
+        else:
+            kw = {"layer_type": layer_type} if layer_type else {}
+            inv, factor = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", **kw)
+        got, scale = inv_frequencies(ours, kind=kind)
+        r = (ours.rotary_dim or ours.head_dim) // 2
+        torch.testing.assert_close(got[:r], inv.float(), rtol=2e-6, atol=0)
+        assert bool((got[r:] == 0).all()) and torch.allclose(scale[:r], torch.tensor(float(factor)))
+        assert bool((scale[r:] == 1).all())
+
+
+# ---- the engine's other paths ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3"])
+def test_speculative_decoding_and_verified_greedy_keep_each_familys_tokens(name, tmp_path):
+    """Speculative decoding (n-gram drafts, verified by one forward over the draft) replies with the same
+    tokens as plain greedy decoding on each family's block (k8v4 cache, the fast kernels): the drafts'
+    rows are attended one by one, as decode steps would, whatever the block's variants."""
+    from lowbit.runtime.engine.config import EngineConfig
+    from lowbit.runtime.engine.engine import Engine
+    from lowbit.runtime.engine.sampler import SamplingParams
+    from lowbit.runtime.engine.speculative import SpecConfig
+    from tests.helpers import ByteTokenizer
+
+    model = build(name, vocab=320, seed=4)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    config, w, _ = load_hf_dir(tmp_path, parse_weights("int8-g32"))
+    lm = Llama(config, w).eval()
+    prompt = [5, 6, 7, 8] * 6  # repeats: the n-gram drafter proposes, and some drafts are accepted
+
+    def reply(**kw) -> tuple[list[int], Engine]:
+        engine = Engine(lm, ByteTokenizer(), EngineConfig(kv_memory=4 << 20, page_size=4, **kw))
+        rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        out = []
+        while engine.has_work():
+            out += [t for d in engine.step() if d.request_id == rid for t in d.token_ids]
+        return out, engine
+
+    plain, _ = reply()
+    spec, engine = reply(speculative=SpecConfig.parse("ngram,k=3"))
+    assert len(plain) == 16 and spec == plain
+    assert engine.spec.drafted > 0, "the drafter proposed nothing: the test checks nothing"

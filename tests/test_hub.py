@@ -477,6 +477,6 @@ def test_cli_models_and_info_offline(fake, home):
     assert rows["hf:test/tiny:Q4_K_M"][1] == "gguf", r.stdout
     r = run_cli(["info", "hf:test/tiny:Q4_K_M"], home, closed_port(), **offline)  # loads the pulled file
     assert r.returncode == 0, (r.stdout, r.stderr)
-    assert "format: gguf" in r.stdout and "architecture: llama" in r.stdout and "layers 2, dim 64" in r.stdout, r.stdout
+    assert "format: gguf" in r.stdout and "family: llama" in r.stdout and "layers 2, dim 64" in r.stdout, r.stdout
     r = run_cli(["info", "hf:test/tiny:Q8_0"], home, closed_port(), **offline)
     assert r.returncode == 1 and "HF_HUB_OFFLINE" in r.stderr and r.stderr.count("\n") == 1, (r.stdout, r.stderr)

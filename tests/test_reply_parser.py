@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from lowbit.runtime.server.reply import ReplyParser
+from lowbit.runtime.server.reply import THINK_TAGS, ReplyParser, think_tags
+
+THINK = THINK_TAGS[0]  # <think> </think>
 
 
 def parse(text: str, mode, step: int | None = None, **kw) -> tuple[str, str, list]:
@@ -74,16 +76,25 @@ def test_cut_off_constrained_reply_is_content():
 @pytest.mark.parametrize("step", [None, 1, 4])
 def test_reasoning_split(step):
     text = "<think>\nweigh it\n</think>\n\nThe answer."
-    assert parse(text, None, step, think=True) == ("The answer.", "\nweigh it\n", [])
+    assert parse(text, None, step, think=THINK) == ("The answer.", "\nweigh it\n", [])
     # the prompt opened the block (DeepSeek-R1's template): everything up to </think> is reasoning
-    assert parse("hmm</think>Yes", None, step, think=True, in_think=True) == ("Yes", "hmm", [])
+    assert parse("hmm</think>Yes", None, step, think=THINK, in_think=THINK) == ("Yes", "hmm", [])
     # without think tags in the template, the tags are content
     assert parse(text, None, step) == (text, "", [])
     # reasoning then a call
     assert parse('<think>x</think><tool_call>{"name": "f", "arguments": {}}</tool_call>', "hermes", step,
-                 think=True) == ("", "x", [("f", {})])
+                 think=THINK) == ("", "x", [("f", {})])
+
+
+@pytest.mark.parametrize("step", [None, 1, 3])
+def test_mistral_think_tags(step):
+    """Mistral's reasoning models ([THINK]…[/THINK]), found in their template's text."""
+    tags = think_tags("...{{- '[THINK]' + block['thinking'] + '[/THINK]' }}...")
+    assert tags == ("[THINK]", "[/THINK]") and think_tags("{{ '<think>' }}") == THINK and think_tags("plain") is None
+    assert parse("[THINK]weigh it[/THINK]The answer.", None, step, think=tags) == ("The answer.", "weigh it", [])
+    assert parse("<think>x</think>y", None, step, think=tags) == ("<think>x</think>y", "", [])
 
 
 def test_unfinished_think_prefix_is_content():
-    assert parse("<thi", None, think=True) == ("<thi", "", [])
-    assert parse("<think>never closed", None, think=True) == ("", "never closed", [])
+    assert parse("<thi", None, think=THINK) == ("<thi", "", [])
+    assert parse("<think>never closed", None, think=THINK) == ("", "never closed", [])

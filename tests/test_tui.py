@@ -9,7 +9,7 @@ import sqlite3
 
 import httpx
 
-from lowbit.tui.app import Bubble, ChatApp, PromptInput
+from lowbit.tui.app import Bubble, ChatApp, PromptInput, Thinking
 from lowbit.tui.client import ChatClient, Settings, Stats
 from lowbit.tui.screens import HistoryScreen, SettingsScreen
 from lowbit.tui.store import ChatStore, Message
@@ -65,7 +65,9 @@ class FakeOpenAI:
                     await self.release.wait()
                 if self.delay:
                     await asyncio.sleep(self.delay)
-                yield sse({"choices": [{"index": 0, "delta": {"content": piece}}]})
+                # ("reasoning", text): a thinking model's reasoning, as lowbit's server streams it
+                delta = {"reasoning_content": piece[1]} if isinstance(piece, tuple) else {"content": piece}
+                yield sse({"choices": [{"index": 0, "delta": delta}]})
             yield sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
             yield sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": len(reply),
                                                 "total_tokens": 7 + len(reply)}})
@@ -118,6 +120,32 @@ def test_send_streams_the_reply_and_shows_stats(tmp_path):
             assert "TTFT" in status and "tok/s" in status and "KV k8v4" in status
             assert fake.requests[0]["messages"] == [{"role": "user", "content": "hi"}]
             assert fake.requests[0]["stream"] is True
+
+    asyncio.run(go())
+
+
+def test_reasoning_streams_dimmed_and_folds_when_the_answer_begins(tmp_path):
+    """A thinking model's reasoning_content shows as it streams (no blank wait), apart from the reply,
+    and folds once the answer begins; the reply and the saved chat hold only the answer."""
+    fake = FakeOpenAI([[("reasoning", "Let me"), ("reasoning", " think."), "Paris", "."]])
+    app = make_app(tmp_path, fake)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.settings.model == "fake-model")
+            fake.hold_after = 2
+            await send(pilot, "capital of France?")
+            await until(pilot, lambda: fake.reached_hold.is_set())
+            await pilot.pause(0.1)
+            thinking = app.query_one(Thinking)
+            assert thinking.source == "Let me think." and not thinking.collapsed and thinking.title == "Thinking…"
+            fake.release.set()
+            await until(pilot, lambda: not app.generating and len(app.messages) == 2)
+            assert thinking.collapsed and thinking.title.startswith("Thought for ")
+            assert bubble_text(app) == "Paris." and app.messages[-1].content == "Paris."
+            await pilot.press("ctrl+r")  # regenerate: the old reasoning goes with the old reply
+            await until(pilot, lambda: not app.generating and len(fake.requests) == 2 and len(app.messages) == 2)
+            assert len(app.query(Thinking)) == 1 and len(app.query(Bubble)) == 2
 
     asyncio.run(go())
 

@@ -1,6 +1,8 @@
 """`lowbit chat`: a Textual chat app over any OpenAI-compatible server (tui/client.py).
 
-The reply streams into a Markdown widget as tokens arrive; the transcript stays anchored to the
+The reply streams into a Markdown widget as tokens arrive; a thinking model's reasoning
+(`reasoning_content`) streams dimmed into a collapsible block above it, which folds once the answer
+begins (as oterm shows it), instead of a blank wait. The transcript stays anchored to the
 bottom unless the user scrolls up. Generation runs in an async worker on the app's own event loop,
 so the input stays responsive and Esc cancels it at once (the HTTP stream closes, the server aborts
 the request and frees its pages); the partial reply is kept and marked stopped. Chats are saved to
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -23,7 +26,8 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.message import Message as TMessage
 from textual.screen import ModalScreen
-from textual.widgets import Footer, Header, Markdown, Static, TextArea
+from rich.text import Text
+from textual.widgets import Collapsible, Footer, Header, Markdown, Static, TextArea
 
 from lowbit.tui.client import ChatClient, ChatError, Settings, Stats
 from lowbit.tui.store import ChatDeleted, ChatStore, Message
@@ -61,6 +65,26 @@ class Bubble(Markdown):
         self.role = role
 
 
+class Thinking(Collapsible):
+    """A reply's reasoning: open and growing while it streams, folded to one line ("Thought for 12 s")
+    once the answer begins. Plain text: reasoning is drafts, not markup to render."""
+
+    def __init__(self):
+        self.body = Static("", classes="reasoning-text")
+        super().__init__(self.body, title="Thinking…", collapsed=False, classes="reasoning")
+        self.source, self.t0, self.finished = "", time.perf_counter(), False
+
+    def add(self, piece: str) -> None:
+        self.source += piece
+        self.body.update(Text(self.source))
+
+    def finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.title = f"Thought for {time.perf_counter() - self.t0:.0f} s"
+            self.collapsed = True
+
+
 class ChatApp(App):
     TITLE = "lowbit chat"
     CSS = """
@@ -69,6 +93,8 @@ class ChatApp(App):
     Bubble.user { background: $boost; border-left: thick $accent; }
     Bubble.assistant { border-left: thick $success; }
     Bubble.system { color: $text-muted; border-left: thick $warning; }
+    Thinking { margin: 1 0 0 0; border-left: thick $secondary; }
+    Thinking .reasoning-text { color: $text-muted; text-style: italic; }
     #status { height: 1; background: $panel; color: $text-muted; padding: 0 1; }
     PromptInput { height: auto; max-height: 8; min-height: 3; }
     """
@@ -188,13 +214,21 @@ class ChatApp(App):
         await transcript.mount(bubble)
         stream = Markdown.get_stream(bubble)
         reply = Message("assistant", "")
+        thinking: Thinking | None = None
         # the chat this reply belongs to, even if Ctrl+N or the history opens another before it ends
         messages, chat_id = self.messages, self.chat_id
         self.generating = True
         try:
             async for chunk in self.client.stream_chat(self.wire_messages(), self.settings,
                                                        self.settings.model or ""):
+                if chunk.reasoning:
+                    if thinking is None:
+                        thinking = Thinking()
+                        await transcript.mount(thinking, before=bubble)
+                    thinking.add(chunk.reasoning)
                 if chunk.text:
+                    if thinking is not None:
+                        thinking.finish()
                     reply.content += chunk.text
                     await stream.write(chunk.text)
                 if chunk.stats is not None:
@@ -210,6 +244,8 @@ class ChatApp(App):
             raise
         finally:
             self.generating = False
+            if thinking is not None:
+                thinking.finish()
             await stream.stop()
             if reply.stopped and reply.content:
                 await bubble.update(reply.content + "\n\n*(stopped)*")
@@ -292,9 +328,13 @@ class ChatApp(App):
             self.notify("Nothing to regenerate yet.", severity="warning")
             return
         self.messages.pop()
-        bubbles = self.query(Bubble)
-        if bubbles:
-            await bubbles.last().remove()
+        transcript = self.query_one("#transcript")
+        last = transcript.children[-1] if transcript.children else None
+        if isinstance(last, Bubble):
+            before = transcript.children[-2] if len(transcript.children) > 1 else None
+            await last.remove()
+            if isinstance(before, Thinking):  # the replaced reply's reasoning goes with it
+                await before.remove()
         self.generate()
 
     def last_reply(self) -> str | None:

@@ -42,6 +42,7 @@ class Stats:
 @dataclass
 class Chunk:
     text: str = ""
+    reasoning: str = ""  # a thinking model's reasoning (delta.reasoning_content), shown apart from the reply
     stats: Stats | None = None  # on the last chunk only
     extra: dict = field(default_factory=dict)
 
@@ -111,7 +112,15 @@ class ChatClient:
                     for choice in obj.get("choices") or []:
                         if choice.get("finish_reason"):
                             stats.finish_reason = choice["finish_reason"]
-                        text = (choice.get("delta") or {}).get("content")
+                        delta = choice.get("delta") or {}
+                        thought = delta.get("reasoning_content") or delta.get("reasoning")
+                        if thought:
+                            now = time.perf_counter()
+                            t_first = t_first or now
+                            t_last = now
+                            pieces += 1
+                            yield Chunk(reasoning=thought)
+                        text = delta.get("content")
                         if text:
                             now = time.perf_counter()
                             t_first = t_first or now

@@ -62,7 +62,8 @@ def cmd_info(args) -> int:
     lm = load(args.model, args.weights, device=args.device, dtype=args.dtype)
     c = lm.config
     layouts = sorted({m.spec_name for m in lm.model.modules() if hasattr(m, "spec_name")})
-    print(f"path: {lm.path}\nformat: {lm.source}\narchitecture: {c.arch}\n"
+    variants = c.variants()
+    print(f"path: {lm.path}\nformat: {lm.source}\nfamily: {c.arch} ({'; '.join(variants) or 'the Llama block'})\n"
           f"layers {c.n_layers}, dim {c.dim}, heads {c.n_heads}/{c.n_kv_heads} (q/kv), head_dim {c.head_dim}, "
           f"hidden {c.hidden_dim}, vocab {c.vocab_size}, context {c.max_seq_len}, tied embeddings {c.tie_embeddings}\n"
           f"weights: {lm.weights} (layouts: {', '.join(layouts)})\n"

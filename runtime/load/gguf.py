@@ -203,7 +203,8 @@ def _qk_rows(c: LlamaConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     (families converted with it), then partial rotary's reorder (models/rope.py), or None for as stored."""
     q = k = None
     if c.family.gguf_permuted:
-        q, k = _gguf_to_hf_rows(c.n_heads * c.head_dim, c.n_heads), _gguf_to_hf_rows(c.n_kv_heads * c.head_dim, c.n_kv_heads)
+        q = _gguf_to_hf_rows(c.n_heads * c.head_dim, c.n_heads)
+        k = _gguf_to_hf_rows(c.n_kv_heads * c.head_dim, c.n_kv_heads)
     order = rotary_row_order(c.head_dim, c.rotary_dim)
     if order is not None:
         qo, ko = head_rows(order, c.n_heads), head_rows(order, c.n_kv_heads)

@@ -1,6 +1,7 @@
 """Hugging Face checkpoint directory (config.json + *.safetensors) → (config, lowbit weights, config dict).
 
-Every family of models/families.py (its model_types; a multimodal wrapper's language model). Tensors are read one at a time through
+Every family of models/families.py (its model_types; a multimodal wrapper's language model). Tensors
+are read one at a time through
 `safetensors.safe_open` (memory-mapped) and quantized to the target layout as they arrive, so the
 peak is the final weights plus one source tensor in fp32, never a full-precision copy of the model.
 Every tensor's name and shape is checked against config.json before anything is converted, so a
@@ -46,10 +47,12 @@ LAYER_MATRICES = MappingProxyType({
     "w_down": "mlp.down_proj.weight",
 })
 LAYER_VECTORS = MappingProxyType({"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight"})
-LAYER_BIASES = MappingProxyType({"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"})
+LAYER_BIASES = MappingProxyType({"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
+                                 "bv": "self_attn.v_proj.bias"})
 QK_NORMS = MappingProxyType({"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"})
 # Gemma: four norms a block, and the one after attention is the post-attention one
-SANDWICH_NORMS = MappingProxyType({"attn_norm": "input_layernorm.weight", "attn_post_norm": "post_attention_layernorm.weight",
+SANDWICH_NORMS = MappingProxyType({"attn_norm": "input_layernorm.weight",
+                                   "attn_post_norm": "post_attention_layernorm.weight",
                                    "ffn_norm": "pre_feedforward_layernorm.weight",
                                    "ffn_post_norm": "post_feedforward_layernorm.weight"})
 # Phi-3: one tensor for q, k, v and one for gate, up; lowbit names → (HF name, its part)
@@ -154,7 +157,8 @@ def load_hf_dir(path: Path, target: WeightSpec,
         where = _open_all(path, shard_files(path), stack)
         prefix = next((t for t in TEXT_PREFIXES if t + "embed_tokens.weight" in where), None)
         if prefix is None:
-            prefix = "model." if any(k.startswith("model.layers.") or k == "model.embed_tokens.weight" for k in where) else ""
+            nested = any(k.startswith("model.layers.") or k == "model.embed_tokens.weight" for k in where)
+            prefix = "model." if nested else ""
         embed_name = prefix + "embed_tokens.weight"
         if embed_name not in where:
             raise LowbitError(f"{path}: missing tensor {embed_name}")

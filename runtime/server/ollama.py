@@ -44,7 +44,7 @@ from lowbit.runtime.engine.embedder import embed
 from lowbit.runtime.engine.sampler import MAX_LOGPROBS
 from lowbit.runtime.server.body import decode_json
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
-from lowbit.runtime.server.reply import THINK_OPEN
+from lowbit.runtime.server.reply import think_tags
 from lowbit.runtime.server.request import Parsed
 from lowbit.runtime.server.response import call_id, replies
 
@@ -203,7 +203,7 @@ def _card(served, since: str) -> _Card:
 
 def _capabilities(served) -> list[str]:
     caps = ["completion", "tools", "embedding"]
-    if THINK_OPEN in (getattr(served.tokenizer, "chat_template", None) or ""):
+    if think_tags(getattr(served.tokenizer, "chat_template", None)) is not None:
         caps.append("thinking")
     return caps
 
@@ -547,6 +547,8 @@ def add_ollama_routes(app: FastAPI, core) -> None:
         chat_body = {**sampling, "model": served.model_name, "messages": _messages(messages)}
         if body.get("tools"):
             chat_body["tools"] = body["tools"]
+        if isinstance(body.get("think"), bool):  # Qwen3's and SmolLM3's templates switch thinking by this
+            chat_body["chat_template_kwargs"] = {"enable_thinking": body["think"]}
         top = _logprobs(body)
         parsed = _fit(state.parser.chat(chat_body), served.max_model_len, num_predict, top)
         gen = _Generation(core, served, parsed, t0)

@@ -5,9 +5,10 @@ certain: `("content", str)`, `("reasoning", str)` or `("call", (name, arguments_
 might still turn out to open a think block or a tool call is held back until it is decided, so a
 streamed reply and its fold say the same. `finish()` returns what is left once the reply ended.
 
-Reasoning: with a template that has think tags, `<think>…</think>` at the reply's start (or the
-whole reply up to `</think>` when the prompt already opened the block, as DeepSeek-R1's template
-does) is reasoning, never content.
+Reasoning: with a template that has think tags — `<think>…</think>` (Qwen3, SmolLM3, DeepSeek-R1) or
+`[THINK]…[/THINK]` (Mistral's reasoning models) — a block at the reply's start (or the whole reply
+up to the closing tag when the prompt already opened the block, as DeepSeek-R1's template does) is
+reasoning, never content.
 
 Tool calls, per `ToolPlan.mode` (server/tools.py): the constrained JSON shapes (`named`,
 `required`, `generic`) are parsed when the reply ends (they always parse; a `generic` answer's
@@ -20,6 +21,14 @@ from __future__ import annotations
 import json
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# (open, close) think tags in the order a template is searched for them
+THINK_TAGS = ((THINK_OPEN, THINK_CLOSE), ("[THINK]", "[/THINK]"))
+
+
+def think_tags(template: str | None) -> tuple[str, str] | None:
+    """The think tags a chat template teaches, or None where it has none."""
+    return next((tags for tags in THINK_TAGS if tags[0] in (template or "")), None)
+
 _GENERIC_ANSWER = '{"response": "'  # the generic grammar's separators are fixed (engine/grammar.py)
 
 
@@ -72,10 +81,12 @@ def _calls(values, args_key: str = "arguments") -> list[tuple[str, str]] | None:
 
 
 class ReplyParser:
-    def __init__(self, mode: str | None, think: bool = False, in_think: bool = False, named: str | None = None):
-        """mode: ToolPlan.mode, or None for a reply without tools. think: the template has think tags;
-        in_think: the prompt ends inside an open think block."""
+    def __init__(self, mode: str | None, think: tuple[str, str] | None = None, in_think: bool = False,
+                 named: str | None = None):
+        """mode: ToolPlan.mode, or None for a reply without tools. think: the template's think tags
+        (open, close), or None; in_think: the prompt ends inside an open think block."""
         self.mode, self.named = mode, named
+        self.open, self.close = think or THINK_TAGS[0]
         self.think = "open" if in_think else ("start" if think else "off")  # start: a block may open
         self.pending = ""  # text not yet decided
         self.body = ""  # the tool part of the reply, parsed when complete
@@ -93,20 +104,20 @@ class ReplyParser:
         self.pending += text
         if self.think == "start":
             head = self.pending.lstrip()
-            if head.startswith(THINK_OPEN):
-                self.pending, self.think = head[len(THINK_OPEN):], "open"
-            elif THINK_OPEN.startswith(head):
+            if head.startswith(self.open):
+                self.pending, self.think = head[len(self.open):], "open"
+            elif self.open.startswith(head):
                 return out  # still undecided
             else:
                 self.think = "off"
         if self.think == "open":
-            end = self.pending.find(THINK_CLOSE)
+            end = self.pending.find(self.close)
             if end < 0:
-                self.pending = _release("reasoning", self.pending, _held(self.pending, THINK_CLOSE), out)
+                self.pending = _release("reasoning", self.pending, _held(self.pending, self.close), out)
                 return out
             if end:
                 out.append(("reasoning", self.pending[:end]))
-            self.pending, self.think, self.after_think = self.pending[end + len(THINK_CLOSE):], "off", True
+            self.pending, self.think, self.after_think = self.pending[end + len(self.close):], "off", True
         text, self.pending = self.pending, ""
         if self.after_think:  # the blank lines between the block and the answer belong to neither
             text = text.lstrip("\n")

@@ -16,7 +16,7 @@ from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
 from lowbit.runtime.load.chat_template import REASONING_FIELDS
 from lowbit.runtime.server.body import decode_json
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
-from lowbit.runtime.server.reply import THINK_OPEN
+from lowbit.runtime.server.reply import think_tags
 from lowbit.runtime.server.tools import ToolPlan, history_message, parse_tools, prompt_messages
 from lowbit.runtime.engine.sampler import MAX_LOGPROBS, SamplingParams
 
@@ -39,7 +39,10 @@ _IGNORED = {"user", "store", "metadata", "service_tier"}
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "stop", "logit_bias", "logprobs",
            "response_format", "ignore_eos", *_SAMPLING, *_IGNORED}  # ignore_eos: vLLM's and llama.cpp's extension
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-                         "function_call", "parallel_tool_calls", *_COMMON})
+                         "function_call", "parallel_tool_calls", "chat_template_kwargs", *_COMMON})
+# chat_template_kwargs (vLLM's and llama-server's extension): extra variables for the template, such as
+# Qwen3's enable_thinking; never the ones the server itself sets
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix", *_COMMON})
 # /tokenize as vLLM ("prompt" or "messages") and llama-server ("content") take it
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "content", "messages", "add_generation_prompt", "add_special_tokens"})
@@ -66,7 +69,7 @@ class Parsed:
     echo: bool = False  # /v1/completions: the prompt leads the text (and its tokens the logprobs)
     generate: bool = True  # False: max_tokens 0 with echo, the prompt scored and nothing generated
     tools: ToolPlan | None = None  # the request's tools: how to read calls out of the reply
-    think: bool = False  # the template has think tags: a leading <think> block is reasoning
+    think: tuple[str, str] | None = None  # the template's think tags: a leading block in them is reasoning
     in_think: bool = False  # the prompt itself opened the think block
 
 
@@ -97,8 +100,10 @@ class RequestParser:
         template = getattr(self.tok, "chat_template", None)
         plan = parse_tools(body, template)
         messages, tools = prompt_messages(self._messages(body), plan)
+        extra = _template_kwargs(body)
         try:
-            ids = self.tok.encode_chat(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
+            ids = self.tok.encode_chat(messages, add_generation_prompt=True, **extra,
+                                       **({"tools": tools} if tools else {}))
         except ValueError as e:
             raise bad_request(f"cannot render the chat template: {e}", "messages") from None
         self._check_prompt_len(len(ids), "messages")
@@ -112,8 +117,9 @@ class RequestParser:
                 raise bad_request(f"top_logprobs must be an int in [0, {MAX_LOGPROBS}]", "top_logprobs")
         params = self._params(body, len(ids), "max_completion_tokens", (top or 0) if lp else None)
         parsed = self._parsed(body, True, ids, params)
-        think = THINK_OPEN in (template or "")
-        in_think = think and self.tok.decode(ids[-16:]).rstrip().endswith(THINK_OPEN)  # a byte vocabulary spells it out
+        think = think_tags(template)
+        # decoded, not matched by id: a byte vocabulary spells the tag out
+        in_think = think is not None and self.tok.decode(ids[-16:]).rstrip().endswith(think[0])
         if plan is not None and plan.schema is not None:
             if parsed.schema is not None:
                 raise bad_request("response_format cannot be combined with tool_choice 'required', a named "
@@ -330,3 +336,15 @@ class RequestParser:
             if param == "max_tokens":
                 param = max_key
             raise bad_request(msg, param) from None
+
+
+def _template_kwargs(body: dict) -> dict:
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict):
+        raise bad_request("chat_template_kwargs must be an object of template variables", "chat_template_kwargs")
+    clash = sorted(set(kw) & _RESERVED_TEMPLATE_VARS)
+    if clash:
+        raise bad_request(f"chat_template_kwargs cannot set {', '.join(clash)}", "chat_template_kwargs")
+    return kw

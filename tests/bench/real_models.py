@@ -12,6 +12,12 @@ Shapes (the vocabulary is the default model's tokenizer, 49,152 tokens, whose me
           rope base 500000, context 8192 (the F16 is 15 GB on disk; Q4_K_M 4.35 GB)
     1.7b  SmolLM2-1.7B's: dim 2048, 24 layers, 32 / 32 heads of 64, FFN 8192, tied embeddings, rope
           base 130000, context 8192
+    qwen3-8b   Qwen3-8B's (architecture qwen3): dim 4096, 36 layers, 32 / 8 heads of 128 with per-head
+          q/k norms, FFN 12288, untied, rope base 1e6 — within 0.5% of the 8b file's bytes, so the 8b
+          Llama shape is its same-bytes twin
+    gemma3-4b  Gemma-3-4B's (architecture gemma3): dim 2560, 34 layers, 8 / 4 heads of 256, q/k norms,
+          four norms a block, GeGLU, tied, 5 local layers (window 1024) per global one
+    4b    the same shapes as gemma3-4b as a plain Llama block: its same-bytes twin
 
 Weights: seed 0, N(0, 0.02) (norms 1), generated a matrix at a time. Speed and memory depend on the
 shapes and the layouts only; no claim about quality is made on these files.
@@ -30,6 +36,13 @@ SHAPES = {
                rope_base=500000.0, name="Llama-3-8B"),
     "1.7b": dict(dim=2048, n_layers=24, n_heads=32, n_kv_heads=32, head_dim=64, hidden=8192, tied=True,
                  rope_base=130000.0, name="SmolLM2-1.7B"),
+    # the families of models/families.py at their real sizes, and a Llama-shaped twin of the same bytes
+    "qwen3-8b": dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, hidden=12288, tied=False,
+                     rope_base=1e6, name="Qwen3-8B", arch="qwen3", qk_norm=True),
+    "gemma3-4b": dict(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, head_dim=256, hidden=10240, tied=True,
+                      rope_base=1e6, name="Gemma-3-4B", arch="gemma3", qk_norm=True, sandwich=True, window=1024),
+    "4b": dict(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, head_dim=256, hidden=10240, tied=True,
+               rope_base=1e6, name="Gemma-3-4B shapes as a Llama block"),
 }
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h LLAMA_FTYPE_MOSTLY_*
 CONTEXT = 8192
@@ -61,7 +74,7 @@ def write_f16(path: Path, shape: str, tokenizer_gguf: Path) -> None:
     vocab = None
     rng = np.random.default_rng(0)
     part = Path(str(path) + ".part")
-    w = GGUFWriter(str(part), "llama")
+    w = GGUFWriter(str(part), s.get("arch", "llama"))
     w.add_name(f"random {s['name']} shapes")
     w.add_context_length(CONTEXT)
     w.add_embedding_length(s["dim"])
@@ -70,6 +83,10 @@ def write_f16(path: Path, shape: str, tokenizer_gguf: Path) -> None:
     w.add_head_count(s["n_heads"])
     w.add_head_count_kv(s["n_kv_heads"])
     w.add_rope_dimension_count(s["head_dim"])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    if s.get("window"):
+        w.add_sliding_window(s["window"])
     w.add_rope_freq_base(s["rope_base"])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(1)  # MOSTLY_F16
@@ -86,6 +103,10 @@ def write_f16(path: Path, shape: str, tokenizer_gguf: Path) -> None:
         tensors.append(("output.weight", (vocab, D)))
     for i in range(s["n_layers"]):
         tensors += [(f"blk.{i}.attn_norm.weight", (D,)), (f"blk.{i}.ffn_norm.weight", (D,))]
+        if s.get("qk_norm"):
+            tensors += [(f"blk.{i}.attn_{n}_norm.weight", (s["head_dim"],)) for n in "qk"]
+        if s.get("sandwich"):
+            tensors += [(f"blk.{i}.post_attention_norm.weight", (D,)), (f"blk.{i}.post_ffw_norm.weight", (D,))]
     tensors += _matrices(s)
     F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
     for name, shp in tensors:
