@@ -108,6 +108,32 @@ void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su,
     for (int64_t m = 0; m < M; m++) silu_mul_n(gate + m * sg, up + m * su, I, out + m * I);
 }
 
+/* out[0..n) = gelu_tanh(g) * u (Gemma's GeGLU). 0.5 g (1 + tanh(z)) = g / (1 + exp(-2z)) with
+ * z = sqrt(2/pi) (g + 0.044715 g^3): SiLU's form at 2z, 8 at a time through exp8, the tail through
+ * the same lanes (so the fused and the standalone op agree). */
+static inline void gelu_tanh_mul_n(const float *g, const float *u, int64_t n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), k = _mm256_set1_ps(-1.5957691216057308f), c = _mm256_set1_ps(0.044715f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 inner = _mm256_mul_ps(k, _mm256_add_ps(gv, _mm256_mul_ps(c, _mm256_mul_ps(gv, _mm256_mul_ps(gv, gv)))));
+        const __m256 e = exp8(inner);  /* exp(-2z): -2 sqrt(2/pi) = -1.5957691 */
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    if (i < n) {
+        float gt[8] = {0}, ut[8] = {0}, ot[8];
+        for (int64_t j = 0; i + j < n; j++) gt[j] = g[i + j], ut[j] = u[i + j];
+        gelu_tanh_mul_n(gt, ut, 8, ot);
+        for (int64_t j = 0; i + j < n; j++) out[i + j] = ot[j];
+    }
+}
+
+void lowbit_gelu_tanh_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I,
+                          float *out) {
+#pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN)
+    for (int64_t m = 0; m < M; m++) gelu_tanh_mul_n(gate + m * sg, up + m * su, I, out + m * I);
+}
+
 /* ---- the fused halves of a block ---- */
 
 /* A block's scratch for M rows: h, o [M, dim], gu [M, 2 hidden], and the quantized activations of
@@ -155,7 +181,9 @@ static int block_check(const lowbit_ctx *c, const lowbit_block *b) {
     if (lowbit_linear_rows(&b->qkv) != (H + 2 * Hkv) * D || b->qkv.K != b->dim || lowbit_linear_rows(&b->o) != b->dim || b->o.K != H * D ||
         lowbit_linear_rows(&b->gate_up) != 2 * b->hidden || b->gate_up.K != b->dim || lowbit_linear_rows(&b->down) != b->dim || b->down.K != b->hidden)
         return -1;
-    if ((b->q_norm == NULL) != (b->k_norm == NULL) || (b->q_norm && D > LOWBIT_MAX_HEAD_DIM))
+    if ((b->q_norm == NULL) != (b->k_norm == NULL) || (b->q_norm && D > LOWBIT_MAX_HEAD_DIM) ||
+        (b->attn_post_norm == NULL) != (b->ffn_post_norm == NULL) || b->act < 0 || b->act > 1 || b->rope < 0 ||
+        b->window < 0)
         return -1;
     return 0;
 }
@@ -193,13 +221,20 @@ static void block_pre_team(const lowbit_ctx *c, const lowbit_block *b, int64_t M
     }
 }
 
-/* Team: residual += attn @ Wo^T; h = norm(residual); delta = (silu(h Wg^T) * (h Wu^T)) @ Wd^T. */
+/* Team: residual += attn @ Wo^T; h = norm(residual); delta = (silu(h Wg^T) * (h Wu^T)) @ Wd^T — with Gemma's
+ * norms of the attention and MLP outputs (attn_post_norm, ffn_post_norm) and GeGLU where the block has them. */
 static void block_post_team(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *attn, float *residual,
                             float *delta, block_ws *ws) {
     const int64_t I = b->hidden;
     lowbit_qact a = qact_for(ws, b->n_heads * b->head_dim);
     lowbit_quantize_rows(attn, a.K, &a);
     lowbit_linear_team(c, &b->o, &a, ws->o);
+    if (b->attn_post_norm) {  /* Gemma: the attention output normed before the residual add (h: scratch) */
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            lowbit_add_rms_norm(ws->o + m * b->dim, b->dim, ws->h + m * b->dim, 0, b->attn_post_norm, b->eps, 1, b->dim,
+                                ws->o + m * b->dim);
+    }
     a = qact_for(ws, b->dim);
     norm_quantize_rows(ws->o, b->dim, residual, 1, b->ffn_norm, b->eps, M, b->dim, ws->h, &a);
     lowbit_linear_team(c, &b->gate_up, &a, ws->gu);
@@ -210,10 +245,17 @@ static void block_post_team(const lowbit_ctx *c, const lowbit_block *b, int64_t 
     for (int64_t i = 0; i < M * a.nb; i++) {
         const int64_t m = i / a.nb, k0 = (i % a.nb) * LOWBIT_BLOCK;
         float act[LOWBIT_BLOCK];
-        silu_mul_n(ws->gu + m * 2 * I + k0, ws->gu + m * 2 * I + I + k0, LOWBIT_BLOCK, act);
+        if (b->act) gelu_tanh_mul_n(ws->gu + m * 2 * I + k0, ws->gu + m * 2 * I + I + k0, LOWBIT_BLOCK, act);
+        else silu_mul_n(ws->gu + m * 2 * I + k0, ws->gu + m * 2 * I + I + k0, LOWBIT_BLOCK, act);
         lowbit_quantize_block(act, &a, m, i % a.nb);
     }
     lowbit_linear_team(c, &b->down, &a, delta);
+    if (b->ffn_post_norm) {  /* Gemma: the MLP output normed before it is added (h: scratch) */
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            lowbit_add_rms_norm(delta + m * b->dim, b->dim, ws->h + m * b->dim, 0, b->ffn_post_norm, b->eps, 1, b->dim,
+                                delta + m * b->dim);
+    }
 }
 
 /* delta [M, dim] (the previous block's output), residual [M, dim] (in/out; has_res = 0 for the first
@@ -245,52 +287,68 @@ int lowbit_block_post(const lowbit_ctx *c, const lowbit_block *b, int64_t M, con
 }
 
 /* A whole decode step over the paged pool (runtime/engine/kv_cache.py), every row one token, in one parallel
- * region: per block, block_pre, the K and V of the step quantized into their slots (kv_write, rotated
- * by write_rot when the format rotates), paged decode attention over each row's first ctx[r] tokens
+ * region: per block, block_pre with its layer's rotary table (cos/sin [n_tables, M, D]: Gemma 3's local and
+ * global kinds, or an identity table for SmolLM3's layers without rotary), the K and V of the step quantized into their slots (kv_write, rotated
+ * by write_rot when the format rotates), paged decode attention over each row's first ctx[r] tokens (within the block's window)
  * (attn_rot: both sides rotated; both are the rotation's D signs, cpu_attention.c `rotate`),
  * block_post — the arithmetic of the per-block path, in the same order, so the result is
  * bit-identical to it. k_sides/v_sides: one descriptor per layer. Scratch is
  * allocated once for the step. Returns 0, -1 for shapes it does not take, -2 for a failed allocation. */
 int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, int64_t L, int64_t M, float *delta,
-                               float *residual, const float *cos, const float *sin, const int64_t *slots,
-                               int64_t page_size, const lowbit_kv_side *k_sides, const lowbit_kv_side *v_sides,
-                               const float *write_rot, const float *attn_rot, const int64_t *ctx,
-                               const int64_t *tables, const int64_t *toff, int64_t window, float scale) {
-    if (L < 1 || M < 1) return -1;
+                               float *residual, const float *cos, const float *sin, int64_t n_tables,
+                               const int64_t *slots, int64_t page_size, const lowbit_kv_side *k_sides,
+                               const lowbit_kv_side *v_sides, const float *write_rot, const float *attn_rot,
+                               const int64_t *ctx, const int64_t *tables, const int64_t *toff, float scale) {
+    if (L < 1 || M < 1 || n_tables < 1) return -1;
     const lowbit_block *b0 = blocks;
     const int64_t D = b0->head_dim, H = b0->n_heads, Hkv = b0->n_kv_heads, W = (H + 2 * Hkv) * D;
     for (int64_t l = 0; l < L; l++)
         if (block_check(c, blocks + l) || blocks[l].head_dim != D || blocks[l].n_heads != H ||
-            blocks[l].n_kv_heads != Hkv || blocks[l].dim != b0->dim || blocks[l].hidden != b0->hidden)
+            blocks[l].n_kv_heads != Hkv || blocks[l].dim != b0->dim || blocks[l].hidden != b0->hidden ||
+            blocks[l].rope >= n_tables)
             return -1;
     for (int64_t r = 0; r < M; r++)
         if (ctx[r] < 1) return -1;
     if (H % Hkv || D % 8 || D > 512) return -1;  /* paged attention's vector steps and group count */
-    const int64_t nc = lowbit_paged_attention_plan(M, ctx, window, NULL);  /* attention's chunks, the same every layer */
+    /* attention's chunks: the most any layer needs (a window only ever cuts a row's keys); a layer whose
+     * window differs from the last one's plans again (Gemma 3: local and global layers) */
+    int64_t nc = 0;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t n = lowbit_paged_attention_plan(M, ctx, blocks[l].window, NULL);
+        nc = n > nc ? n : nc;
+    }
     const size_t att = lowbit_paged_attention_scratch(H, Hkv, D), parts = lowbit_paged_attention_partials(nc, H, D);
     const size_t bytes = sizeof(float) * ((size_t)(M * (W + H * D)) + att * (size_t)c->nthreads + parts) +
                          sizeof(int64_t) * (size_t)(3 * nc + M + 1) + block_ws_bytes(b0, M) + 64;
     float *mem = malloc(bytes);
     if (!mem) return -2;
     float *qkv = mem, *attn = qkv + M * W, *scratch = attn + M * H * D, *partials = scratch + att * (size_t)c->nthreads;
-    int64_t *plan = (int64_t *)(partials + parts);
-    lowbit_paged_attention_plan(M, ctx, window, plan);
+    int64_t *plan = (int64_t *)(partials + parts), nc_l = 0;
     block_ws ws;
     block_ws_init(&ws, plan + 3 * nc + M + 1, b0, M);
     int rc = 0;
 #pragma omp parallel num_threads((int)c->nthreads)
+    {
+    int64_t planned = -1;  /* the window `plan` holds (each thread's copy, set alike everywhere) */
     for (int64_t l = 0; l < L; l++) {
         const lowbit_block *b = blocks + l;
-        block_pre_team(c, b, M, delta, residual, l > 0, cos, sin, qkv, &ws);
+        if (b->window != planned) {  /* every thread sees the same blocks: all take this branch alike */
+#pragma omp barrier
+#pragma omp single
+            nc_l = lowbit_paged_attention_plan(M, ctx, b->window, plan);
+            planned = b->window;
+        }
+        block_pre_team(c, b, M, delta, residual, l > 0, cos + b->rope * M * D, sin + b->rope * M * D, qkv, &ws);
         if (lowbit_kv_write_team(qkv + H * D, qkv + (H + Hkv) * D, W, M, Hkv, D, slots, page_size, k_sides + l,
                                  v_sides + l, write_rot)) {  /* a side it does not take: every thread skips alike */
 #pragma omp atomic write
             rc = -1;
         }
 #pragma omp barrier
-        lowbit_paged_attention_team(qkv, W, M, H, Hkv, D, plan, nc, tables, toff, page_size, k_sides + l, v_sides + l,
+        lowbit_paged_attention_team(qkv, W, M, H, Hkv, D, plan, nc_l, tables, toff, page_size, k_sides + l, v_sides + l,
                                     attn_rot, scale, scratch, att, partials, attn);
         block_post_team(c, b, M, attn, residual, delta, &ws);
+    }
     }
     free(mem);
     return rc;

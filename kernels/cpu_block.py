@@ -110,12 +110,15 @@ def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
 
 
 def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
-                qkv: tuple, o: tuple, gate_up: tuple, down: tuple, qk_norms: tuple | None = None, *,
+                qkv: tuple, o: tuple, gate_up: tuple, down: tuple, qk_norms: tuple | None = None,
+                post_norms: tuple | None = None, gelu: bool = False, rope: int = 0, window: int | None = None, *,
                 native) -> FusedBlock | None:
     """dims = (dim, n_heads, n_kv_heads, head_dim, hidden); norms fp32 [dim]; each weight a (packed
     layout, fp32 bias or None) pair, QKV and gate/up already fused along N; qk_norms: (q, k) fp32
-    [head_dim] norms over each head (Qwen3) or None; native: the C kernels → a FusedBlock, or None
-    without them or when a weight is in a layout they do not read whole."""
+    [head_dim] norms over each head (Qwen3, Gemma) or None; post_norms: Gemma's (attention output,
+    MLP output) norms fp32 [dim] or None; gelu: GeGLU instead of SwiGLU; rope, window: the block's
+    rotary table (an index into a one-call step's tables) and sliding window; native: the C kernels →
+    a FusedBlock, or None without them or when a weight is in a layout they do not read whole."""
     if native is None:
         return None
     dim, H, Hkv, D, hidden = dims
@@ -123,16 +126,18 @@ def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: tor
     shapes = [((H + 2 * Hkv) * D, dim), (dim, H * D), (2 * hidden, dim), (dim, hidden)]
     if any(l is None or (_rows(l), l.K) != s for l, s in zip(linears, shapes)):
         return None
-    for t in (attn_norm, ffn_norm):
+    for t in (attn_norm, ffn_norm, *(post_norms or ())):
         if t.dtype != torch.float32 or t.shape != (dim,) or not t.is_contiguous():
             return None
     qk = qk_norms or ()
     if any(t.dtype != torch.float32 or t.shape != (D,) or not t.is_contiguous() for t in qk) or D > 512:
         return None  # 512: cpu_block.c's LOWBIT_MAX_HEAD_DIM
+    post = post_norms or ()
     desc = cpu_native._Block(dim, H, Hkv, D, hidden, eps, attn_norm.data_ptr(), ffn_norm.data_ptr(), *linears,
-                             *((t.data_ptr() for t in qk) if qk else (None, None)))
-    held = [attn_norm, ffn_norm, *qk] + [t for w, b in (qkv, o, gate_up, down) for t in (*vars(w).values(), b)
-                                         if isinstance(t, torch.Tensor)] + [w for w, _ in (qkv, o, gate_up, down)]
+                             *((t.data_ptr() for t in qk) if qk else (None, None)),
+                             *((t.data_ptr() for t in post) if post else (None, None)), int(gelu), rope, window or 0)
+    held = [attn_norm, ffn_norm, *qk, *post] + [t for w, b in (qkv, o, gate_up, down) for t in (*vars(w).values(), b)
+                                                if isinstance(t, torch.Tensor)] + [w for w, _ in (qkv, o, gate_up, down)]
     return FusedBlock(desc, held, native)
 
 
@@ -160,13 +165,18 @@ class FusedLayers:
 
     def decode_paged(self, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                      page_size: int, k_sides: list, v_sides: list, write_rot: torch.Tensor | None,
-                     attn_rot: torch.Tensor | None, c_args: tuple, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     attn_rot: torch.Tensor | None, c_args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step of one-token rows over the paged pool in one C call (cpu_block.c
         lowbit_decode_paged_layers): delta fp32 [M, dim] (the embeddings; overwritten), cos/sin fp32
-        [M, D], slots int64 [M], the pool's page size and its KVSides per layer, c_args = (ctx,
-        tables, toff) int64 as models/attention.py plans them → (last block's output, residual)."""
+        [K, M, D] (the K rotary tables the blocks index: `rope`), slots int64 [M], the pool's page size
+        and its KVSides per layer, c_args = (ctx, tables, toff) int64 as models/attention.py plans them
+        → (last block's output, residual). Each block's sliding window is in its descriptor."""
         d = self.blocks[0].desc
-        M = _check_rows(delta, cos, sin, self.dim, d.head_dim)
+        if cos.dim() != 3 or cos.shape != sin.shape or max(b.desc.rope for b in self.blocks) >= cos.shape[0]:
+            raise ValueError(f"cpu fused layers: rotary tables {tuple(cos.shape)} do not cover the blocks' kinds")
+        M = _check_rows(delta, cos[0], sin[0], self.dim, d.head_dim)
+        if not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("cpu fused layers: the rotary tables must be contiguous")
         ctx, tables, toff = c_args
         if not (slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (M,) and len(k_sides) ==
                 len(v_sides) == len(self.blocks) and ctx.shape == toff.shape == (M,)):
@@ -174,7 +184,7 @@ class FusedLayers:
         residual = torch.empty(M, self.dim)
         ks, vs = self._side_arrays(k_sides, v_sides, d.head_dim)
         rc = self.native.decode_paged_layers(self.array, M, delta, residual, cos, sin, slots, page_size, ks, vs,
-                                         write_rot, attn_rot, ctx, tables, toff, window, d.head_dim)
+                                         write_rot, attn_rot, ctx, tables, toff, d.head_dim)
         if rc:
             raise ValueError(f"cpu fused layers (paged) failed with status {rc}")
         return delta, residual

@@ -14,7 +14,7 @@
  * prototype), and the sizeof and each field's offset and size of every struct it mirrors against
  * lowbit_abi_layout (cpu_wq_mm.c), so a change on one side only refuses the library instead of
  * corrupting memory. */
-#define LOWBIT_ABI_VERSION 4
+#define LOWBIT_ABI_VERSION 5
 
 int lowbit_abi_version(void);  /* LOWBIT_ABI_VERSION */
 /* The layout of the structs cpu_native.py mirrors, one entry per struct ("lowbit_block": offset 0,
@@ -156,6 +156,11 @@ typedef struct {
     const float *attn_norm, *ffn_norm;  /* fp32 [dim] */
     lowbit_linear qkv, o, gate_up, down;  /* qkv: [(H + 2 Hkv) D, dim]; gate_up: [2 hidden, dim] */
     const float *q_norm, *k_norm;  /* fp32 [head_dim]: RMSNorm over each head before rotary (Qwen3), or NULL */
+    /* Gemma: RMSNorms of the attention output and of the MLP output before each residual add, or NULL */
+    const float *attn_post_norm, *ffn_post_norm;
+    int64_t act;     /* the gated MLP's activation: 0 SiLU (SwiGLU), 1 GELU, tanh approximation (GeGLU) */
+    int64_t rope;    /* lowbit_decode_paged_layers: which of its rotary tables this block's layer takes */
+    int64_t window;  /* lowbit_decode_paged_layers: this layer's sliding window, 0 for none */
 } lowbit_block;
 
 /* One side (K or V) of one layer of the paged pool (runtime/engine/kv_cache.py), as stored (codes points at
@@ -245,6 +250,8 @@ void lowbit_add_rms_norm(const float *x, int64_t sx, float *res, int has_res, co
 void lowbit_rotary(float *x, int64_t M, int64_t H, int64_t sm, int64_t sh, int64_t D, const float *cos,
                    const float *sin);
 void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I, float *out);
+void lowbit_gelu_tanh_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I,
+                          float *out);
 int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t D, const int64_t *slots,
                     int64_t page_size, const lowbit_kv_side *s, const float *rot);
 int lowbit_kv_write_team(const float *kx, const float *vx, int64_t sx, int64_t M, int64_t Hkv, int64_t D,
@@ -269,9 +276,9 @@ int lowbit_block_pre(const lowbit_ctx *c, const lowbit_block *b, int64_t M, cons
 int lowbit_block_post(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *attn, float *residual,
                       float *delta);
 int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, int64_t L, int64_t M, float *delta,
-                               float *residual, const float *cos, const float *sin, const int64_t *slots,
-                               int64_t page_size, const lowbit_kv_side *k_sides, const lowbit_kv_side *v_sides,
-                               const float *write_rot, const float *attn_rot, const int64_t *ctx,
-                               const int64_t *tables, const int64_t *toff, int64_t window, float scale);
+                               float *residual, const float *cos, const float *sin, int64_t n_tables,
+                               const int64_t *slots, int64_t page_size, const lowbit_kv_side *k_sides,
+                               const lowbit_kv_side *v_sides, const float *write_rot, const float *attn_rot,
+                               const int64_t *ctx, const int64_t *tables, const int64_t *toff, float scale);
 
 #endif

@@ -114,7 +114,9 @@ class _Block(ctypes.Structure):
                 ("head_dim", ctypes.c_int64), ("hidden", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
                 ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("attn_post_norm", ctypes.c_void_p), ("ffn_post_norm", ctypes.c_void_p), ("act", ctypes.c_int64),
+                ("rope", ctypes.c_int64), ("window", ctypes.c_int64)]
 
 
 class _KVSide(ctypes.Structure):
@@ -125,7 +127,7 @@ class _KVSide(ctypes.Structure):
 
 # The structs that cross into C, by their names in cpu_kernels.h (`check_abi` compares each with C).
 ABI_STRUCTS = (("lowbit_linear", _Linear), ("lowbit_ctx", _Ctx), ("lowbit_block", _Block), ("lowbit_kv_side", _KVSide))
-ABI_VERSION = 4  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
+ABI_VERSION = 5  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
 
 
 class AbiMismatch(Exception):
@@ -167,13 +169,14 @@ class NativeKernels:
         lib.lowbit_add_rms_norm.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, f32, i64, i64, ptr]
         lib.lowbit_rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
         lib.lowbit_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr]
+        lib.lowbit_gelu_tanh_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr]
         blk = ctypes.POINTER(_Block)
         lib.lowbit_block_pre.argtypes = [ctxp, blk, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr]
         lib.lowbit_block_post.argtypes = [ctxp, blk, i64, ptr, ptr, ptr]
         side = ctypes.POINTER(_KVSide)
         lib.lowbit_kv_write.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, side, ptr]
-        lib.lowbit_decode_paged_layers.argtypes = [ctxp, blk, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, side, side, ptr,
-                                                   ptr, ptr, ptr, ptr, i64, f32]
+        lib.lowbit_decode_paged_layers.argtypes = [ctxp, blk, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, side, side,
+                                                   ptr, ptr, ptr, ptr, ptr, f32]
         lib.lowbit_paged_decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, side, side,
                                                       ptr, i64, f32, ptr, ctypes.c_int]
 
@@ -323,6 +326,17 @@ class NativeKernels:
         self.lib.lowbit_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), M, n, out.data_ptr())
         return out
 
+    def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up fp32 [M, I] (last dim contiguous) → gelu_tanh(gate) * up, fp32 [M, I] (Gemma's GeGLU)."""
+        M, n = gate.shape
+        if gate.dtype != torch.float32 or up.dtype != torch.float32 or up.shape != gate.shape \
+                or gate.stride(1) != 1 or up.stride(1) != 1:
+            raise ValueError(f"cpu gelu_tanh_mul: unsupported input {tuple(gate.shape)} {gate.dtype}")
+        out = torch.empty(M, n)
+        self.lib.lowbit_gelu_tanh_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), M, n,
+                                      out.data_ptr())
+        return out
+
     # The fused halves of a block (cpu_block.c; kernels/cpu_block.py builds the descriptor and checks
     # shapes). Both return the C code's status: 0, or non-zero for a refused shape / failed allocation.
 
@@ -339,17 +353,16 @@ class NativeKernels:
     def decode_paged_layers(self, blocks, M: int, delta: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, slots: torch.Tensor, page_size: int, k_sides: list, v_sides: list,
                             write_rot: torch.Tensor | None, attn_rot: torch.Tensor | None, ctx: torch.Tensor,
-                            tables: torch.Tensor, toff: torch.Tensor, window: int | None, D: int) -> int:
+                            tables: torch.Tensor, toff: torch.Tensor, D: int) -> int:
         """Every block of a decode step over the paged pool (cpu_block.c): blocks a ctypes array of
-        _Block; k_sides/v_sides one KVSide per layer, or their `side_array`s. Returns
-        the C status."""
+        _Block (each naming its rotary table and window); cos/sin fp32 [K, M, D], the K rotary tables;
+        k_sides/v_sides one KVSide per layer, or their `side_array`s. Returns the C status."""
         ks = k_sides if isinstance(k_sides, ctypes.Array) else self.side_array(k_sides, D)
         vs = v_sides if isinstance(v_sides, ctypes.Array) else self.side_array(v_sides, D)
         return self.lib.lowbit_decode_paged_layers(
             self._ctx(), blocks, len(blocks), M, delta.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            slots.data_ptr(), page_size, ks, vs, self._signs(write_rot), self._signs(attn_rot), ctx.data_ptr(),
-            tables.data_ptr(), toff.data_ptr(),
-            window or 0, D ** -0.5)
+            cos.shape[0], slots.data_ptr(), page_size, ks, vs, self._signs(write_rot), self._signs(attn_rot),
+            ctx.data_ptr(), tables.data_ptr(), toff.data_ptr(), D ** -0.5)
 
     def paged_decode_attention(self, q: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, toff: torch.Tensor,
                                page_size: int, k_side: KVSide, v_side: KVSide,

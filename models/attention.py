@@ -137,7 +137,7 @@ class PagedAttention:
         k_sides = [pool.side(layer, "k") for layer in range(pool.n_layers)]
         v_sides = [pool.side(layer, "v") for layer in range(pool.n_layers)]
         return layers.decode_paged(delta, cos, sin, self.batch.slots.to(torch.int64).contiguous(), pool.page_size,
-                                   k_sides, v_sides, pool.rot, self.rot, self.c_args, self.windows[0])
+                                   k_sides, v_sides, pool.rot, self.rot, self.c_args)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [M, H, D], k/v [M, Hkv, D] → fp32 [M, H*D]."""

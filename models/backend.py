@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from lowbit.kernels import cpu_block, cpu_native, rms_norm, rotary, silu_mul
+from lowbit.kernels import cpu_block, cpu_native, gelu_mul, rms_norm, rotary, silu_mul
 from lowbit.kernels.triton_import import HAVE_TRITON
 from lowbit.quant.linear import LinearKernels, cpu_kernels, triton_kernels
 
@@ -40,6 +40,7 @@ class Backend:
     add_rms_norm: Callable  # (x, residual | None, weight, eps, out_dtype) → (normed, residual fp32)
     rotary: Callable  # (q [M, H, D], k [M, Hkv, D], cos, sin [M, D]) → (q, k)
     silu_mul: Callable  # (gate, up [M, I]) → [M, I]
+    gelu_tanh_mul: Callable  # (gate, up [M, I]) → [M, I], Gemma's GeGLU
     fused_paged_attention: bool  # paged KV read by kernels (models/attention.py) or gathered by torch
     # (dims, eps, norms, (packed weight, bias) x 4) → a block in two fused calls around attention, or None
     # (kernels/cpu_block.py); used for steps whose matmuls all take the fast kernel
@@ -62,7 +63,8 @@ def torch_backend(native="auto") -> Backend:
         native = cpu_native.native()
     return Backend("torch", torch.device("cpu"), torch.float32, cpu_kernels(native),
                    partial(rms_norm.add_rms_norm_cpu, native=native), partial(rotary.rotary_cpu, native=native),
-                   partial(silu_mul.silu_mul_cpu, native=native), False,
+                   partial(silu_mul.silu_mul_cpu, native=native), partial(gelu_mul.gelu_tanh_mul_cpu, native=native),
+                   False,
                    partial(cpu_block.fused_block, native=native) if native is not None else None, native, True)
 
 
@@ -71,7 +73,7 @@ def triton_backend(device: str | torch.device = "cuda", dtype: str = "float16") 
         raise RuntimeError("the CUDA path needs Triton (it comes with CUDA builds of torch; pip install triton)")
     device = torch.device(device)
     return Backend("triton", device, DTYPES[dtype], triton_kernels(device),
-                   rms_norm.add_rms_norm, rotary.rotary_, silu_mul.silu_mul, True)
+                   rms_norm.add_rms_norm, rotary.rotary_, silu_mul.silu_mul, gelu_mul.gelu_tanh_mul_ref, True)
 
 
 def default_device() -> str:

@@ -82,14 +82,11 @@ class LlamaConfig:
 
     @property
     def fused_decode(self) -> bool:
-        """Whether every block is one the fused C kernels compute (kernels/cpu_block.c): the Llama block —
-        one rotary table over whole heads, 1/sqrt(D) attention, SwiGLU, two norms, one window — with or
-        without per-head q/k norms (Qwen3)."""
-        f = self.family
-        return not (f.sandwich_norms or f.activation != "silu" or f.embed_scale
-                    or self.rope_layers is not None or self.window_layers is not None
-                    or self.rotary_dim not in (None, self.head_dim) or self.attn_scale is not None
-                    or self.attn_temperature is not None)
+        """Whether every block is one the fused C kernels compute (kernels/cpu_block.c): the Llama block with
+        any of q/k norms, Gemma's four norms and GeGLU, a rotary table per layer (local, global, none;
+        partial rotary is a table too) and a window per layer — everything but a softmax scale other
+        than 1/sqrt(D) and Ministral's per-position query temperature, which run op by op."""
+        return self.attn_scale is None and self.attn_temperature is None
 
     def variants(self) -> list[str]:
         """The block's variant switches in words (`lowbit info`), empty for a plain Llama block."""
@@ -169,7 +166,8 @@ class LlamaConfig:
     def from_hf(cls, cfg: Mapping[str, Any]) -> "LlamaConfig":
         mt = cfg.get("model_type")
         if mt in HF_WRAPPERS and isinstance(cfg.get("text_config"), Mapping):  # multimodal: its language model
-            cfg = {"model_type": HF_WRAPPERS[mt], **cfg["text_config"]}
+            tie = cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))  # the wrapper's ties
+            cfg = {**cfg["text_config"], "model_type": HF_WRAPPERS[mt], "tie_word_embeddings": tie}
             mt = cfg["model_type"]
         fam = family_of_hf(mt)
         n_heads, n_layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])

@@ -11,9 +11,10 @@ Precision: the residual stream is fp32 (its add is fused into the next norm), at
 Between kernels, activations are fp32 on CPU and fp16/bf16 on CUDA. The weight-only matmuls on
 CPU go through the C kernels' 16-bit activation codes (kernels/cpu_native.py); `exact=True` forces
 exact fp32 everywhere, on CUDA too (see kernels/int4_mm.py, kernels/wq_mm.py and
-runtime/engine/speculative.py's verified greedy), and `ExactRows` chooses per row. A Llama block, with
-Qwen3's q/k norms or without (config.fused_decode), runs as two fused C calls on CPU decode; a block
-with other variants runs op by op.
+runtime/engine/speculative.py's verified greedy), and `ExactRows` chooses per row. On CPU decode a block
+runs as two fused C calls (kernels/cpu_block.c: q/k norms, Gemma's norms and GeGLU, its layer's rotary
+table and window included; config.fused_decode) and a step of them as one; a block with its own softmax
+scale (Gemma 3 27B) or Ministral's query temperature runs op by op, the same arithmetic call by call.
 
 Activations run token-major, [M, dim] with M the step's tokens, which is the shape every kernel takes.
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lowbit.kernels.cpu_block import FusedLayers
@@ -64,16 +64,12 @@ class Projections(nn.Module):
         return [p(x, exact) for p in self.parts]
 
 
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """GeGLU (Gemma): gelu(gate, tanh approximation) * up, as transformers' gelu_pytorch_tanh."""
-    return F.gelu(gate, approximate="tanh") * up
-
-
 class Block(nn.Module):
     def __init__(self, config: LlamaConfig, w: dict, prefix: str, backend: Backend, tp: TPGroup | None = None,
-                 layer: int = 0):
+                 layer: int = 0, rope_index: int = 0):
         """config: the shapes this process computes (under tensor parallelism, one rank's heads and
-        MLP slice: models/sharding.py); tp: the group whose partial sums wo and w_down all-reduce."""
+        MLP slice: models/sharding.py); tp: the group whose partial sums wo and w_down all-reduce;
+        rope_index: this layer's rotary kind among the model's (a one-call step's table index)."""
         super().__init__()
         c = config
         fam = c.family
@@ -87,8 +83,9 @@ class Block(nn.Module):
         for name, there in (("q_norm", fam.qk_norm), ("k_norm", fam.qk_norm),  # [head_dim], over each head
                             ("attn_post_norm", fam.sandwich_norms), ("ffn_post_norm", fam.sandwich_norms)):  # [dim]
             self.register_buffer(name, vec(name) if there else None, persistent=False)
-        self.act = backend.silu_mul if fam.activation == "silu" else gelu_tanh_mul
-        self.rope = c.rope_of(layer)  # "global" | "local" | "none"
+        self.act = backend.silu_mul if fam.activation == "silu" else backend.gelu_tanh_mul
+        self.rope, self.rope_index = c.rope_of(layer), rope_index  # "global" | "local" | "none" (identity)
+        self.window = c.window_of(layer)
         # q times this before attention, so that the kernels' 1/sqrt(D) makes it the family's scale
         self.q_scale = None if c.attn_scale is None else c.attn_scale * math.sqrt(c.head_dim)
         self.qkv = Projections([w[prefix + n] for n in ("wq", "wk", "wv")],
@@ -109,7 +106,9 @@ class Block(nn.Module):
         return backend.fused_block((c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim), c.norm_eps,
                                    self.attn_norm, self.ffn_norm, (qkv.w, qkv.bias), (self.wo.w, self.wo.bias),
                                    (gate_up.w, gate_up.bias), (self.w_down.w, self.w_down.bias),
-                                   None if self.q_norm is None else (self.q_norm, self.k_norm))
+                                   None if self.q_norm is None else (self.q_norm, self.k_norm),
+                                   None if self.attn_post_norm is None else (self.attn_post_norm, self.ffn_post_norm),
+                                   c.family.activation == "gelu_tanh", self.rope_index, self.window)
 
     def forward(self, delta, residual, layer: int, ropes: dict, attend, exact: bool | None,
                 dtype: torch.dtype, q_temp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +120,7 @@ class Block(nn.Module):
         M = delta.shape[0]
         if self.fused is not None and all_fast(exact, M):
             # every matmul on the fast kernel: the same arithmetic in two C calls (kernels/cpu_block.py)
-            cos, sin = ropes["global"]
+            cos, sin = ropes[self.rope]
             qkv, residual = self.fused.pre(delta, residual, cos, sin)  # [M, (H + 2 Hkv) D]
             q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
             attn = attend(layer, q.view(M, c.n_heads, c.head_dim), k.view(M, c.n_kv_heads, c.head_dim),
@@ -133,8 +132,7 @@ class Block(nn.Module):
         if self.q_norm is not None:  # each head normed on its own: [M * heads, D] rows
             q = ops.add_rms_norm(q.reshape(-1, c.head_dim), None, self.q_norm, c.norm_eps, dtype)[0].view_as(q)
             k = ops.add_rms_norm(k.reshape(-1, c.head_dim), None, self.k_norm, c.norm_eps, dtype)[0].view_as(k)
-        if ropes.get(self.rope) is not None:
-            q, k = ops.rotary(q, k, *ropes[self.rope])
+        q, k = ops.rotary(q, k, *ropes[self.rope])  # "none": the identity table (cos 1, sin 0), as fused
         if self.q_scale is not None:
             q = q * self.q_scale
         if q_temp is not None:
@@ -181,13 +179,19 @@ class Llama(nn.Module):
         else:  # tied, but the table's lookup form has no matmul kernel here: a packed copy
             self.output = QuantLinear(embed, backend.linear)
         del embed
-        self.layers = nn.ModuleList(Block(local, weights, f"layers.{i}.", backend, tp, i)
-                                    for i in range(config.n_layers))
+        # the rotary kinds the layers use, in a fixed order (a one-call step's tables [K, M, D] follow it)
+        self.rope_kinds = sorted({config.rope_of(i) for i in range(config.n_layers)})
+        self.layers = nn.ModuleList(Block(local, weights, f"layers.{i}.", backend, tp, i,
+                                          self.rope_kinds.index(config.rope_of(i))) for i in range(config.n_layers))
         self.register_buffer("norm", weights["norm"].float().to(backend.device), persistent=False)
-        # per rotary kind the layers use: (inv_freq fp32 [D/2], cos/sin scale [D/2] or None)
+        # per kind: (inv_freq fp32 [D/2], cos/sin scale [D/2] or None); "none" (SmolLM3's NoPE layers) has
+        # frequency 0 everywhere: cos 1, sin 0, which turns nothing (x * 1 - y * 0 = x)
         self.ropes = {}
-        for kind in sorted({config.rope_of(i) for i in range(config.n_layers)} - {"none"}):
-            inv, scale = inv_frequencies(config, weights.get("rope_freqs") if kind == "global" else None, kind)
+        for kind in self.rope_kinds:
+            if kind == "none":
+                inv, scale = torch.zeros(config.head_dim // 2), torch.ones(config.head_dim // 2)
+            else:
+                inv, scale = inv_frequencies(config, weights.get("rope_freqs") if kind == "global" else None, kind)
             self.ropes[kind] = (inv.to(backend.device), None if bool((scale == 1).all()) else scale.to(backend.device))
         self.embed_scale = math.sqrt(config.dim) if config.family.embed_scale else None
         # every block fused (CPU, C kernels): a step whose rows are all single-token queries runs all of
@@ -230,9 +234,9 @@ class Llama(nn.Module):
         if self.fused_layers is not None and all_fast(exact, M) and attend.all_rows_in_c(M):
             # every row one token's query on the C kernels: the whole step in one C call, the same
             # arithmetic as block by block (kernels/cpu_block.py)
-            cos, sin = ropes["global"]
-            delta, residual = attend.run_layers(self.fused_layers, delta.contiguous(), cos.contiguous(),
-                                                sin.contiguous())
+            cos = torch.stack([ropes[k][0] for k in self.rope_kinds])  # [K, M, D], the blocks' `rope` indexes it
+            sin = torch.stack([ropes[k][1] for k in self.rope_kinds])
+            delta, residual = attend.run_layers(self.fused_layers, delta.contiguous(), cos, sin)
         else:
             for i, layer in enumerate(self.layers):
                 delta, residual = layer(delta, residual, i, ropes, attend, exact, dtype, q_temp)

@@ -230,20 +230,53 @@ def test_small_ops_match_their_specs_and_rows_are_independent():
     assert torch.equal(silu_mul_cpu(torch.tensor([[-100.0, 0.0]]), torch.ones(1, 2), native=k_), torch.tensor([[-0.0, 0.0]]))
 
 
-def _tiny_model(weights: str, bias: bool = False, native="auto", qk_norm: bool = False):
+# the variants of models/families.py the fused C block takes, as tiny configs: family → config changes
+FAMILY_VARIANTS = {
+    "llama": {},
+    "qwen3": dict(arch="qwen3"),  # per-head q/k norms
+    # four norms a block, GeGLU, q/k norms, a local layer (window 4, its own rope base) then a global one
+    "gemma3": dict(arch="gemma3", n_layers=3, sliding_window=4, window_layers=(True, False, True),
+                   rope_layers=("local", "global", "local"), rope_local_theta=500.0),
+    "smollm3": dict(arch="smollm3", n_layers=4, rope_layers=("global", "global", "global", "none")),  # NoPE
+    "phi3": dict(arch="phi3", rotary_dim=12),  # partial rotary: 3/4 of each head turns
+}
+
+
+def test_gelu_tanh_mul_matches_its_spec_and_rows_are_independent():
+    """Gemma's GeGLU step in C (g / (1 + exp(-2z)), exp 8 lanes at a time) against transformers'
+    gelu_pytorch_tanh, and a row is the same bits alone or among others, so the fused block and the op
+    agree. Far left the spec's 0.5 g (1 + tanh z) rounds to exactly 0 where the C form keeps the true
+    tiny value (measured 1.4e-7 absolute there); elsewhere within 2e-6 relative."""
+    from lowbit.kernels.gelu_mul import gelu_tanh_mul_cpu, gelu_tanh_mul_ref
+
+    k_ = _kernels()
+    g = torch.Generator().manual_seed(4)
+    gate, up = torch.randn(6, 77, generator=g) * 4, torch.randn(6, 77, generator=g)
+    gate[0, :4] = torch.tensor([-30.0, 30.0, 0.0, -0.0])  # the tails: exp overflow to 0, and to x itself
+    got = gelu_tanh_mul_cpu(gate, up, native=k_)
+    torch.testing.assert_close(got, gelu_tanh_mul_ref(gate, up), rtol=2e-6, atol=5e-7)
+    assert torch.equal(torch.cat([gelu_tanh_mul_cpu(gate[i:i + 1], up[i:i + 1], native=k_) for i in range(6)]), got)
+
+
+def _tiny_model(weights: str, bias: bool = False, native="auto", qk_norm: bool = False, family: str | None = None):
+    import dataclasses
+
     from lowbit.models.backend import torch_backend
     from lowbit.models.config import LlamaConfig
     from lowbit.models.llama import Llama
     from lowbit.models.synthetic import random_weights
 
-    cfg = LlamaConfig(arch="qwen3" if qk_norm else "llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                      head_dim=16, hidden_dim=96, vocab_size=80, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=64,
-                      tie_embeddings=False)
+    family = family or ("qwen3" if qk_norm else "llama")
+    cfg = LlamaConfig(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
+                      vocab_size=80, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=64, tie_embeddings=False)
+    cfg = dataclasses.replace(cfg, **FAMILY_VARIANTS[family])
     w = random_weights(cfg, weights, "int8-g32", seed=1)
-    if qk_norm:  # Qwen3's per-head norms, 1 ± 0.2
-        g = torch.Generator().manual_seed(3)
-        for i in range(cfg.n_layers):
+    g = torch.Generator().manual_seed(3)
+    for i in range(cfg.n_layers):  # the family's extra norms, 1 ± 0.2
+        if cfg.family.qk_norm:
             w |= {f"layers.{i}.{n}": 1 + 0.2 * torch.randn(16, generator=g) for n in ("q_norm", "k_norm")}
+        if cfg.family.sandwich_norms:
+            w |= {f"layers.{i}.{n}": 1 + 0.2 * torch.randn(64, generator=g) for n in ("attn_post_norm", "ffn_post_norm")}
     if bias:  # Qwen2-style QKV biases
         g = torch.Generator().manual_seed(2)
         for i in range(cfg.n_layers):
@@ -251,15 +284,17 @@ def _tiny_model(weights: str, bias: bool = False, native="auto", qk_norm: bool =
     return Llama(cfg, w, torch_backend(native)).eval()
 
 
-@pytest.mark.parametrize("weights,bias,qk_norm", [("int4-g32", False, False), ("int4-sym-g32", True, False),
-                                                  ("int8-g32", False, False), ("int4-g32", False, True)])
-def test_fused_block_equals_the_op_by_op_block_bit_for_bit(weights, bias, qk_norm):
+@pytest.mark.parametrize("weights,bias,family", [("int4-g32", False, "llama"), ("int4-sym-g32", True, "llama"),
+                                                 ("int8-g32", False, "llama"), *[("int4-g32", False, f) for f in
+                                                                                 ("qwen3", "gemma3", "smollm3", "phi3")]])
+def test_fused_block_equals_the_op_by_op_block_bit_for_bit(weights, bias, family):
     """A decode step through the two fused C calls per block gives the same logits, bit for bit, as
     the same step op by op (C small ops, C matmul): the engine runs both forms in one reply (prompt
     rows exact and op by op, generated rows fused), so a token must not depend on which it took.
-    qk_norm: Qwen3's per-head q/k norms, inside the fused first call."""
+    The families' variants (FAMILY_VARIANTS) run inside the fused calls: q/k norms, Gemma's norms and
+    GeGLU, each layer's rotary table (local, global, identity for NoPE, partial) and window."""
     _kernels()
-    model = _tiny_model(weights, bias, qk_norm=qk_norm)
+    model = _tiny_model(weights, bias, family=family)
     assert all(b.fused is not None for b in model.layers)
     ids = torch.randint(0, 80, (3, 9), generator=torch.Generator().manual_seed(0))
 
@@ -365,20 +400,24 @@ def test_exact_path_in_row_ranges(name, monkeypatch):
         assert torch.equal(mm(x, plain, exact=True), with_c)
 
 
-@pytest.mark.parametrize("kv,qk_norm", [("f32", False), ("f16", False), ("k8v4", False), ("k4v4", False),
-                                        ("k8v4", True)])
-def test_one_call_paged_step_equals_the_block_by_block_step(kv, qk_norm, monkeypatch):
+@pytest.mark.parametrize("kv,family", [("f32", "llama"), ("f16", "llama"), ("k8v4", "llama"), ("k4v4", "llama"),
+                                       ("k8v4", "qwen3"), ("k8v4", "gemma3"), ("f32", "gemma3"), ("k8v4", "smollm3")])
+def test_one_call_paged_step_equals_the_block_by_block_step(kv, family, monkeypatch):
     """A decode step over the paged, quantized pool in one C call (every block: fused halves,
     quantize-on-write, paged attention) gives the logits and the pool contents, bit for bit, that the
     block-by-block path gives; so does a step with a short prompt chunk in it (its rows attended one by
-    one in C, models/attention.py C_ROWS_MAX); a chunk longer than that takes the block-by-block path."""
+    one in C, models/attention.py C_ROWS_MAX); a chunk longer than that takes the block-by-block path.
+    Families: Gemma's local and global layers take their own rotary tables and windows (window 4 cuts
+    the 5- and 9-token contexts: the attention plan changes from layer to layer), SmolLM3's NoPE layer
+    the identity table."""
     import lowbit.models.attention as attention
     from lowbit.models.attention import PagedAttention, PagedBatch
     from lowbit.quant.kv import KV_FORMATS
     from lowbit.runtime.engine.kv_cache import KVPool
 
     _kernels()
-    model = _tiny_model("int4-g32", qk_norm=qk_norm)
+    model = _tiny_model("int4-g32", family=family)
+    assert model.fused_layers is not None
     c, P = model.config, 4
     g = torch.Generator().manual_seed(6)
     ctxs = [5, 9, 2]  # tokens cached per sequence before the step

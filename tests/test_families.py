@@ -334,3 +334,24 @@ def test_speculative_decoding_and_verified_greedy_keep_each_familys_tokens(name,
     spec, engine = reply(speculative=SpecConfig.parse("ngram,k=3"))
     assert len(plain) == 16 and spec == plain
     assert engine.spec.drafted > 0, "the drafter proposed nothing: the test checks nothing"
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: config.json's text_config is the model,
+    its tensors sit under the wrapper's prefix, the vision tower's are left alone, and the wrapper ties
+    the head. Text-only logits equal transformers' on the whole wrapper."""
+    text = build("gemma3", vocab=320, seed=2).config
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    from tests.family_models import randomize
+
+    randomize(model.model.language_model, seed=6)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    config, w, _ = load_hf_dir(tmp_path, parse_weights("f32"))
+    assert config.arch == "gemma3" and config.tie_embeddings
+    ids = prompt(40, 320, seed=8)
+    with torch.no_grad():
+        assert_close(forward(Llama(config, w).eval(), ids), model(input_ids=ids).logits.float(), "gemma3 wrapper")

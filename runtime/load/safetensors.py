@@ -197,8 +197,9 @@ def _plan(c: LlamaConfig, prefix: str, packed: PackedSpec | None = None,
     D, Dq, Dkv = c.dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     plan = [("embed", prefix + "embed_tokens.weight", (c.vocab_size, D), "head", None),
             ("norm", prefix + "norm.weight", (D,), "norm", None)]
-    if not c.tie_embeddings:
-        plan.append(("output", "lm_head.weight", (c.vocab_size, D), "head", None))
+    if not c.tie_embeddings:  # a multimodal wrapper saved by transformers 4 keeps it under its language model
+        head = "language_model.lm_head.weight" if where and "language_model.lm_head.weight" in where else "lm_head.weight"
+        plan.append(("output", head, (c.vocab_size, D), "head", None))
     mats = {"wq": (Dq, D), "wk": (Dkv, D), "wv": (Dkv, D), "wo": (D, Dq),
             "w_gate": (c.hidden_dim, D), "w_up": (c.hidden_dim, D), "w_down": (D, c.hidden_dim)}
     biases = {"bq": (Dq,), "bk": (Dkv,), "bv": (Dkv,)}
