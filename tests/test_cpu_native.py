@@ -517,11 +517,13 @@ def test_c_f32_side_stores_and_reads_the_values_exactly(window):
     assert torch.equal(side.data[int(tables[0][0]), :, 3].view(torch.int32), x[0].view(torch.int32))
 
 
-def test_every_isa_and_an_avx2_only_build_give_the_same_logits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_every_isa_and_an_avx2_only_build_give_the_same_logits(family, tmp_path, monkeypatch):
     """Decode steps of a small model — the whole step in one C call over a k8v4 pool, 3 sequences,
     then one sequence alone, and the LM head — give the same logits bit for bit on every instruction
     set this build has, and on the library an AVX2-only CPU builds: compiled from the same sources
-    without AVX-512 or VNNI, so its AVX2 kernels are its best (and only) ones."""
+    without AVX-512 or VNNI, so its AVX2 kernels are its best (and only) ones. gemma3: the fused
+    block's variants (q/k norms, post norms, GeGLU, local and global layers and windows) too."""
     from lowbit.kernels import cpu_native
     from lowbit.models.attention import PagedBatch
     from lowbit.quant.kv import KV_FORMATS
@@ -531,13 +533,14 @@ def test_every_isa_and_an_avx2_only_build_give_the_same_logits(tmp_path, monkeyp
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     avx2_only = cpu_native.load(cpu_native._build({"avx2", "fma", "f16c", "bmi2"}))
     assert avx2_only.isas == ["avx2"] and avx2_only.isa == "avx2"
-    c, P = _tiny_model("int4-g32").config, 4
+    c, P = _tiny_model("int4-g32", family=family).config, 4
     tables = [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4])]
     ctx = [6, 3, 2]
     tokens = torch.tensor([7, 11, 13])
 
     def logits(kernels) -> torch.Tensor:
-        model = _tiny_model("int4-g32", native=kernels)  # the same weights, on these kernels
+        model = _tiny_model("int4-g32", native=kernels, family=family)  # the same weights, on these kernels
+        assert model.fused_layers is not None
         pool = KVPool(KV_FORMATS["k8v4"], c.n_layers, c.n_kv_heads, c.head_dim, num_pages=6, page_size=P)
         for layer in range(c.n_layers):
             gen = torch.Generator().manual_seed(layer)
