@@ -84,54 +84,43 @@ void lowbit_rotary(float *x, int64_t M, int64_t H, int64_t sm, int64_t sh, int64
     }
 }
 
-/* out[0..n) = silu(g) * u = g / (1 + exp(-g)) * u, 8 at a time (exp8), the tail through the same lanes:
- * each value's arithmetic is the same wherever it falls, so the fused and the standalone op agree. */
-static inline void silu_mul_n(const float *g, const float *u, int64_t n, float *out) {
+/* out[0..n) = act(g) * u = g / (1 + exp(-a)) * u: SiLU with a = g, or GELU's tanh approximation (gelu = 1,
+ * Gemma's GeGLU) with a = 2z, z = sqrt(2/pi) (g + 0.044715 g^3), since 0.5 g (1 + tanh z) = g / (1 + exp(-2z)).
+ * 8 at a time (exp8), the tail through the same lanes: each value's arithmetic is the same wherever it
+ * falls, so the fused and the standalone op agree. */
+static inline void gated_mul_n(const float *g, const float *u, int64_t n, float *out, int gelu) {
     const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    const __m256 k = _mm256_set1_ps(-1.5957691216057308f), c = _mm256_set1_ps(0.044715f);  /* -2 sqrt(2/pi) */
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 e = exp8(_mm256_xor_ps(gv, neg));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-    }
-    if (i < n) {
-        float gt[8] = {0}, ut[8] = {0}, ot[8];
-        for (int64_t k = 0; i + k < n; k++) gt[k] = g[i + k], ut[k] = u[i + k];
-        silu_mul_n(gt, ut, 8, ot);
-        for (int64_t k = 0; i + k < n; k++) out[i + k] = ot[k];
-    }
-}
-
-/* out [M, I] = silu(gate) * up; gate and up rows are sg and su floats apart. */
-void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I, float *out) {
-#pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN)
-    for (int64_t m = 0; m < M; m++) silu_mul_n(gate + m * sg, up + m * su, I, out + m * I);
-}
-
-/* out[0..n) = gelu_tanh(g) * u (Gemma's GeGLU). 0.5 g (1 + tanh(z)) = g / (1 + exp(-2z)) with
- * z = sqrt(2/pi) (g + 0.044715 g^3): SiLU's form at 2z, 8 at a time through exp8, the tail through
- * the same lanes (so the fused and the standalone op agree). */
-static inline void gelu_tanh_mul_n(const float *g, const float *u, int64_t n, float *out) {
-    const __m256 one = _mm256_set1_ps(1.0f), k = _mm256_set1_ps(-1.5957691216057308f), c = _mm256_set1_ps(0.044715f);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 inner = _mm256_mul_ps(k, _mm256_add_ps(gv, _mm256_mul_ps(c, _mm256_mul_ps(gv, _mm256_mul_ps(gv, gv)))));
-        const __m256 e = exp8(inner);  /* exp(-2z): -2 sqrt(2/pi) = -1.5957691 */
+        const __m256 a = gelu ? _mm256_mul_ps(k, _mm256_add_ps(gv, _mm256_mul_ps(c, _mm256_mul_ps(gv, _mm256_mul_ps(gv, gv)))))
+                              : _mm256_xor_ps(gv, neg);
+        const __m256 e = exp8(a);
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
     }
     if (i < n) {
         float gt[8] = {0}, ut[8] = {0}, ot[8];
         for (int64_t j = 0; i + j < n; j++) gt[j] = g[i + j], ut[j] = u[i + j];
-        gelu_tanh_mul_n(gt, ut, 8, ot);
+        gated_mul_n(gt, ut, 8, ot, gelu);
         for (int64_t j = 0; i + j < n; j++) out[i + j] = ot[j];
     }
 }
 
+/* out [M, I] = act(gate) * up; gate and up rows are sg and su floats apart. */
+static void gated_mul_rows(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I,
+                           float *out, int gelu) {
+#pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN)
+    for (int64_t m = 0; m < M; m++) gated_mul_n(gate + m * sg, up + m * su, I, out + m * I, gelu);
+}
+
+void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I, float *out) {
+    gated_mul_rows(gate, sg, up, su, M, I, out, 0);
+}
+
 void lowbit_gelu_tanh_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I,
                           float *out) {
-#pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN)
-    for (int64_t m = 0; m < M; m++) gelu_tanh_mul_n(gate + m * sg, up + m * su, I, out + m * I);
+    gated_mul_rows(gate, sg, up, su, M, I, out, 1);
 }
 
 /* ---- the fused halves of a block ---- */
@@ -245,8 +234,7 @@ static void block_post_team(const lowbit_ctx *c, const lowbit_block *b, int64_t 
     for (int64_t i = 0; i < M * a.nb; i++) {
         const int64_t m = i / a.nb, k0 = (i % a.nb) * LOWBIT_BLOCK;
         float act[LOWBIT_BLOCK];
-        if (b->act) gelu_tanh_mul_n(ws->gu + m * 2 * I + k0, ws->gu + m * 2 * I + I + k0, LOWBIT_BLOCK, act);
-        else silu_mul_n(ws->gu + m * 2 * I + k0, ws->gu + m * 2 * I + I + k0, LOWBIT_BLOCK, act);
+        gated_mul_n(ws->gu + m * 2 * I + k0, ws->gu + m * 2 * I + I + k0, LOWBIT_BLOCK, act, (int)b->act);
         lowbit_quantize_block(act, &a, m, i % a.nb);
     }
     lowbit_linear_team(c, &b->down, &a, delta);

@@ -318,23 +318,19 @@ class NativeKernels:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up fp32 [M, I] (last dim contiguous) → silu(gate) * up, fp32 [M, I]."""
-        M, n = gate.shape
-        if gate.dtype != torch.float32 or up.dtype != torch.float32 or up.shape != gate.shape \
-                or gate.stride(1) != 1 or up.stride(1) != 1:
-            raise ValueError(f"cpu silu_mul: unsupported input {tuple(gate.shape)} {gate.dtype}")
-        out = torch.empty(M, n)
-        self.lib.lowbit_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), M, n, out.data_ptr())
-        return out
+        return self._gated(self.lib.lowbit_silu_mul, "silu_mul", gate, up)
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up fp32 [M, I] (last dim contiguous) → gelu_tanh(gate) * up, fp32 [M, I] (Gemma's GeGLU)."""
+        return self._gated(self.lib.lowbit_gelu_tanh_mul, "gelu_tanh_mul", gate, up)
+
+    def _gated(self, fn, name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         M, n = gate.shape
         if gate.dtype != torch.float32 or up.dtype != torch.float32 or up.shape != gate.shape \
                 or gate.stride(1) != 1 or up.stride(1) != 1:
-            raise ValueError(f"cpu gelu_tanh_mul: unsupported input {tuple(gate.shape)} {gate.dtype}")
+            raise ValueError(f"cpu {name}: unsupported input {tuple(gate.shape)} {gate.dtype}")
         out = torch.empty(M, n)
-        self.lib.lowbit_gelu_tanh_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), M, n,
-                                      out.data_ptr())
+        fn(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), M, n, out.data_ptr())
         return out
 
     # The fused halves of a block (cpu_block.c; kernels/cpu_block.py builds the descriptor and checks
