@@ -5,7 +5,8 @@ transformers builds with each family's quirks switched on:
   smollm3     every fourth layer without RoPE; tied embeddings
   gemma3      four norms a block stored as w - 1, GeGLU, embeddings x sqrt(dim), q/k norms, head size
               256, five sliding-window layers (window 16) with a local rope base to each global one
-              (linear scaling 8, rope base 1e6); `gemma3-scale` adds a query_pre_attn_scalar that is
+              (linear scaling 8, rope base 1e6), untied here (tests/family_models.py says why; the
+              multimodal wrapper's test ties it); `gemma3-scale` adds a query_pre_attn_scalar that is
               not the head size (27B's)
   phi3        fused qkv_proj and gate_up_proj, partial rotary (3/4 of each head), LongRoPE (the short
               factors and attention factor; prompts stay within the original 2048 positions)
