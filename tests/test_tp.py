@@ -111,11 +111,12 @@ class TestTinyTP2:
                         speculative=SpecConfig.parse("ngram,k=3"))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "smollm3", "phi3", "ministral3"])
 def test_family_variants_split_over_tp2(family, default_gguf, tmp_path):
-    """Qwen3's q/k norms and Gemma 3's (four norms, GeGLU, embeddings x sqrt(dim), local and global
-    layers with their windows) under `--tp 2`: the per-head and post-all-reduce norms are whole on every
-    rank. A tiny safetensors checkpoint (tests/family_models.py; Gemma with 4/2 heads so they split),
+    """Each family's variants under `--tp 2`: Qwen3's q/k norms, Gemma 3's (four norms, GeGLU, embeddings x
+    sqrt(dim), local and global layers with their windows), SmolLM3's NoPE layers and tied table, Phi's
+    fused qkv/gate_up split by rows then by rank, Ministral's query temperature: the per-head and
+    post-all-reduce norms are whole on every rank. A tiny safetensors checkpoint (tests/family_models.py; Gemma with 4/2 heads so they split),
     int8 weights. The reason for a bound is TestTinyTP2's (a 16-bit activation code flips when an
     all-reduced sum differs in its last bit); these unit-gain random models amplify a flip more:
     measured max 1.2e-4 of the largest logit (both families), bound 5e-4; a wrong slice or a norm
