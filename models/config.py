@@ -12,9 +12,6 @@ from typing import Any, Mapping
 
 from lowbit.models.families import FAMILIES, HF_WRAPPERS, Family, family_of_gguf, family_of_hf
 
-# kept for callers that list what loads
-GGUF_ARCHS = tuple(a for f in FAMILIES.values() for a in f.gguf_archs)
-
 
 @dataclass(frozen=True)
 class RopeScaling:

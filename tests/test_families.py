@@ -62,12 +62,6 @@ LLAMA_CPP_KL = {  # measured: Q8_0, Q4_K_M
     ("phi3", "Q8_0"): 1.5e-2, ("phi3", "Q4_K_M"): 3e-2,  # 4.2e-3, 8.5e-3
     ("ministral3", "Q8_0"): 1e-2, ("ministral3", "Q4_K_M"): 2e-2,  # 3.1e-3, 6.6e-3
 }
-@pytest.fixture(scope="module", autouse=True)
-def two_threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")
