@@ -6,7 +6,8 @@
  *
  * Per (row, head): s_j = (q . k_j) * scale, p = softmax(s) (max subtracted, expf), out = sum p_j v_j
  * / sum p_j, fp32. Query head h reads KV head h / (H / Hkv) (grouped-query attention, as SDPA's
- * enable_gqa).
+ * enable_gqa). With attention sinks (gpt-oss: a learned logit per query head, sinks[h]), the sink
+ * joins the softmax but carries no value: out = sum exp(s_j) v_j / (exp(sinks[h]) + sum exp(s_j)).
  */
 #include <math.h>
 #include <omp.h>
@@ -236,14 +237,15 @@ size_t lowbit_paged_attention_partials(int64_t nchunks, int64_t H, int64_t D) {
 
 /* q [R, H, D] (rows sq floats apart); the plan and chunk count from lowbit_paged_attention_plan; row r's
  * page ids are tables[toff[r] ...]; rot: the rotation's D signs (`rotate`) when both sides are stored
- * rotated (q is rotated, the output rotated back) or NULL → out fp32 [R, H, D]. A team function (items
- * shared out, a barrier, the merges shared out, a barrier); scratch: per_thread floats
- * (lowbit_paged_attention_scratch) for each thread; partials: lowbit_paged_attention_partials floats. */
+ * rotated (q is rotated, the output rotated back) or NULL; sinks: fp32 [H] attention sinks or NULL →
+ * out fp32 [R, H, D]. A team function (items shared out, a barrier, the merges shared out, a barrier);
+ * scratch: per_thread floats (lowbit_paged_attention_scratch) for each thread; partials:
+ * lowbit_paged_attention_partials floats. */
 void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
                                  const int64_t *plan, int64_t nchunks, const int64_t *tables, const int64_t *toff,
                                  int64_t page_size, const lowbit_kv_side *ks, const lowbit_kv_side *vs,
-                                 const float *rot, float scale, float *scratch, size_t per_thread, float *partials,
-                                 float *out) {
+                                 const float *rot, const float *sinks, float scale, float *scratch, size_t per_thread,
+                                 float *partials, float *out) {
     const int64_t grp = H / Hkv, GK = ks->bits >= 16 ? 1 : D / ks->group, GV = vs->bits >= 16 ? 1 : D / vs->group;
     const int64_t gk = D / GK, gv = D / GV;
     float *buf = scratch + per_thread * (size_t)omp_get_thread_num();
@@ -339,12 +341,14 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
             part[D] = mx[j], part[D + 1] = sum[j];
         }
     }
-    /* (the loop's barrier: every chunk is done) merge each (row, head)'s chunks in order */
+    /* (the loop's barrier: every chunk is done) merge each (row, head)'s chunks in order. A sink is the
+     * row's, not a chunk's: it joins the max and the denominator here, once per (row, head), so a row
+     * cut into 1 or 40 chunks sees it once; without sinks top starts at -inf and nothing else changes. */
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < R * H; rh++) {
         const int64_t r = rh / H, h = rh % H, c0 = plan[3 * nchunks + r], c1 = plan[3 * nchunks + r + 1];
         float *y = buf, *acc = y + D, *dst = out + rh * D;
-        float top = -INFINITY, sum = 0.0f;
+        float top = sinks ? sinks[h] : -INFINITY, sum = 0.0f;
         for (int64_t c = c0; c < c1; c++) {
             const float mc = partials[(c * H + h) * (D + 2) + D];
             top = mc > top ? mc : top;
@@ -355,6 +359,7 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
             for (int64_t k = 0; k < D; k++) acc[k] += w * part[k];
             sum += w * part[D + 1];
         }
+        if (sinks) sum += expf(sinks[h] - top);  /* the sink's share of the denominator; it adds no value */
         const float inv = 1.0f / sum;
         for (int64_t k = 0; k < D; k++) acc[k] *= inv;
         if (rot) rotate(acc, rot, D, 1, y);
@@ -366,7 +371,7 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
 int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
                                   const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
                                   const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
-                                  int64_t window, float scale, float *out, int nthreads) {
+                                  const float *sinks, int64_t window, float scale, float *out, int nthreads) {
     if (H % Hkv || D % 8 || D > 512) return -1;  /* vector steps of 8; at most 64 groups of 8 per vector */
     for (int64_t r = 0; r < R; r++)
         if (ctx[r] < 1) return -1;
@@ -379,8 +384,8 @@ int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t
     int64_t *plan = (int64_t *)(partials + parts);
     lowbit_paged_attention_plan(R, ctx, window, plan);
 #pragma omp parallel num_threads(nt)
-    lowbit_paged_attention_team(q, sq, R, H, Hkv, D, plan, nc, tables, toff, page_size, ks, vs, rot, scale, mem, per,
-                                partials, out);
+    lowbit_paged_attention_team(q, sq, R, H, Hkv, D, plan, nc, tables, toff, page_size, ks, vs, rot, sinks, scale, mem,
+                                per, partials, out);
     free(mem);
     return 0;
 }

@@ -278,7 +278,7 @@ int lowbit_block_post(const lowbit_ctx *c, const lowbit_block *b, int64_t M, con
  * region: per block, block_pre with its layer's rotary table (cos/sin [n_tables, M, D]: Gemma 3's local and
  * global kinds, or an identity table for SmolLM3's layers without rotary), the K and V of the step quantized into their slots (kv_write, rotated
  * by write_rot when the format rotates), paged decode attention over each row's first ctx[r] tokens (within the block's window)
- * (attn_rot: both sides rotated; both are the rotation's D signs, cpu_attention.c `rotate`),
+ * (attn_rot: both sides rotated; both are the rotation's D signs, cpu_attention.c `rotate`; the block's sinks, if any),
  * block_post — the arithmetic of the per-block path, in the same order, so the result is
  * bit-identical to it. k_sides/v_sides: one descriptor per layer. Scratch is
  * allocated once for the step. Returns 0, -1 for shapes it does not take, -2 for a failed allocation. */
@@ -334,7 +334,7 @@ int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, 
         }
 #pragma omp barrier
         lowbit_paged_attention_team(qkv, W, M, H, Hkv, D, plan, nc_l, tables, toff, page_size, k_sides + l, v_sides + l,
-                                    attn_rot, scale, scratch, att, partials, attn);
+                                    attn_rot, b->sinks, scale, scratch, att, partials, attn);
         block_post_team(c, b, M, attn, residual, delta, &ws);
     }
     }

@@ -61,8 +61,10 @@ class FusedBlock:
     """A block's descriptor, the tensors and packed weights it points into (held so the pointers stay
     valid: a chain's descriptors live in its Segments) and the C kernels that run it."""
 
-    def __init__(self, desc: "cpu_native._Block", held: list, native: "cpu_native.NativeKernels"):
+    def __init__(self, desc: "cpu_native._Block", held: list, native: "cpu_native.NativeKernels",
+                 sinks: torch.Tensor | None = None):
         self.desc, self.held, self.native = desc, held, native
+        self.sinks = sinks  # fp32 [H] the descriptor points at (a one-call step's attention reads it), or None
         d = desc
         self.dim, self.width = d.dim, (d.n_heads + 2 * d.n_kv_heads) * d.head_dim
 
@@ -111,17 +113,20 @@ def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
 
 def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
                 qkv: tuple, o: tuple, gate_up: tuple, down: tuple, qk_norms: tuple | None = None,
-                post_norms: tuple | None = None, gelu: bool = False, rope: int = 0, window: int | None = None, *,
-                native) -> FusedBlock | None:
+                post_norms: tuple | None = None, gelu: bool = False, rope: int = 0, window: int | None = None,
+                sinks: torch.Tensor | None = None, *, native) -> FusedBlock | None:
     """dims = (dim, n_heads, n_kv_heads, head_dim, hidden); norms fp32 [dim]; each weight a (packed
     layout, fp32 bias or None) pair, QKV and gate/up already fused along N; qk_norms: (q, k) fp32
     [head_dim] norms over each head (Qwen3, Gemma) or None; post_norms: Gemma's (attention output,
     MLP output) norms fp32 [dim] or None; gelu: GeGLU instead of SwiGLU; rope, window: the block's
-    rotary table (an index into a one-call step's tables) and sliding window; native: the C kernels →
-    a FusedBlock, or None without them or when a weight is in a layout they do not read whole."""
+    rotary table (an index into a one-call step's tables) and sliding window; sinks: the layer's attention
+    sinks, contiguous fp32 [n_heads] (gpt-oss), or None — the same tensor the step's PagedAttention is given
+    for the layer; native: the C kernels → a FusedBlock, or None without them or when a weight is in a
+    layout they do not read whole."""
     if native is None:
         return None
     dim, H, Hkv, D, hidden = dims
+    cpu_native.check_sinks(sinks, H, "cpu fused block")  # a bug in the caller, not a layout to decline
     linears = [_linear(*p, native) for p in (qkv, o, gate_up, down)]
     shapes = [((H + 2 * Hkv) * D, dim), (dim, H * D), (2 * hidden, dim), (dim, hidden)]
     if any(l is None or (_rows(l), l.K) != s for l, s in zip(linears, shapes)):
@@ -135,10 +140,11 @@ def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: tor
     post = post_norms or ()
     desc = cpu_native._Block(dim, H, Hkv, D, hidden, eps, attn_norm.data_ptr(), ffn_norm.data_ptr(), *linears,
                              *((t.data_ptr() for t in qk) if qk else (None, None)),
-                             *((t.data_ptr() for t in post) if post else (None, None)), int(gelu), rope, window or 0)
+                             *((t.data_ptr() for t in post) if post else (None, None)), int(gelu), rope, window or 0,
+                             None if sinks is None else sinks.data_ptr())
     held = [attn_norm, ffn_norm, *qk, *post] + [t for w, b in (qkv, o, gate_up, down) for t in (*vars(w).values(), b)
                                                 if isinstance(t, torch.Tensor)] + [w for w, _ in (qkv, o, gate_up, down)]
-    return FusedBlock(desc, held, native)
+    return FusedBlock(desc, held, native, sinks)
 
 
 class FusedLayers:
@@ -150,6 +156,7 @@ class FusedLayers:
         self.blocks, self.native = blocks, blocks[0].native
         self.array = (cpu_native._Block * len(blocks))(*[b.desc for b in blocks])  # copies of the descriptors
         self.dim = blocks[0].dim
+        self.sinks = [b.sinks for b in blocks]  # per layer fp32 [H] or None, as the descriptors point at them
         self._sides = None  # (k sides, v sides, their ctypes arrays) of the pool last stepped over
 
     def _side_arrays(self, k_sides: list, v_sides: list, D: int):

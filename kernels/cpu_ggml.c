@@ -1,5 +1,6 @@
 /* GGML's block formats multiplied as GGUF stores them (kind 3 of cpu_kernels.h's lowbit_linear): Q5_0,
- * Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, and Q4_0, Q4_1, Q8_0 where they share a fused
+ * Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4 (where K is not whole 64-value groups of its
+ * tiles, cpu_kq.c), and Q4_0, Q4_1, Q8_0 where they share a fused
  * weight with one of those. kernels/ggml_blocks.py is the spec of each block's values;
  * kernels/ggml_mm.py holds and calls these.
  *
@@ -33,14 +34,17 @@
 
 #include <immintrin.h>
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+       IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39 };
 
 static const int8_t kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4's codebook, E2M1's values doubled; its scale 2^(e - 128) is lowbit_e8m0_half (cpu_kernels.h). */
+static const int8_t kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* Values per block (0: not a type of this file) and bytes per block. */
 static int64_t block_values(int64_t t) {
     switch (t) {
-        case Q4_0: case Q4_1: case Q8_0: case Q5_0: case Q5_1: case IQ4_NL: return 32;
+        case Q4_0: case Q4_1: case Q8_0: case Q5_0: case Q5_1: case IQ4_NL: case MXFP4: return 32;
         case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return 256;
         default: return 0;
     }
@@ -60,6 +64,7 @@ static int64_t block_bytes(int64_t t) {
         case Q5_K: return 176;
         case Q6_K: return 210;
         case IQ4_XS: return 136;
+        case MXFP4: return 17;
         default: return 0;
     }
 }
@@ -105,9 +110,14 @@ static inline __m256i bits_at(__m256i v, int s, int mask) {
 
 static inline void store32(int8_t *c, __m256i v) { _mm256_store_si256((__m256i *)c, v); }
 
-/* A 32-value block of type T (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL) → its 32 int8 codes in a register,
- * *a its scale and *b its min (Q4_1, Q5_1). The same codes as decode. */
+/* A 32-value block of type T (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, MXFP4) → its 32 int8 codes in a
+ * register, *a its scale and *b its min (Q4_1, Q5_1). The same codes as decode. */
 static inline __attribute__((always_inline)) __m256i decode32(const int64_t T, const uint8_t *p, float *a, float *b) {
+    if (T == MXFP4) {  /* e, then 16 bytes of codebook indices */
+        *a = lowbit_e8m0_half(p[0]);
+        return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_mxfp4)),
+                                   nibbles(p + 1));
+    }
     *a = f16(p);
     if (T == Q4_1 || T == Q5_1) *b = f16(p + 2);
     if (T == Q8_0) return _mm256_loadu_si256((const __m256i *)(p + 2));
@@ -127,7 +137,7 @@ static inline __attribute__((always_inline)) __m256i decode32(const int64_t T, c
 static inline __attribute__((always_inline)) void decode(int64_t t, const uint8_t *p, int8_t *c, float *a, float *b) {
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues));
     switch (t) {
-        case Q4_0: case Q4_1: case Q8_0: case Q5_0: case Q5_1: case IQ4_NL:  /* one scale (and min) per 32 */
+        case Q4_0: case Q4_1: case Q8_0: case Q5_0: case Q5_1: case IQ4_NL: case MXFP4:  /* a scale (and min) per 32 */
             store32(c, decode32(t, p, a, b));
             a[1] = a[0];
             if (has_min(t)) b[1] = b[0];
@@ -340,7 +350,7 @@ static void ggml_rows(const lowbit_linear *w, const lowbit_qact *a, int64_t n0, 
         const uint8_t *row = row_of(w, lo, &t);
         switch (t) {
 #define TYPE(T) case T: rows_of_type(T, w, a, row, lo, hi, y, acc, accb); break;
-            TYPE(Q4_0) TYPE(Q4_1) TYPE(Q8_0) TYPE(Q5_0) TYPE(Q5_1) TYPE(IQ4_NL)
+            TYPE(Q4_0) TYPE(Q4_1) TYPE(Q8_0) TYPE(Q5_0) TYPE(Q5_1) TYPE(IQ4_NL) TYPE(MXFP4)
             TYPE(Q2_K) TYPE(Q3_K) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K) TYPE(IQ4_XS)
 #undef TYPE
             default: break;

@@ -14,7 +14,7 @@
  * prototype), and the sizeof and each field's offset and size of every struct it mirrors against
  * lowbit_abi_layout (cpu_wq_mm.c), so a change on one side only refuses the library instead of
  * corrupting memory. */
-#define LOWBIT_ABI_VERSION 5
+#define LOWBIT_ABI_VERSION 6
 
 int lowbit_abi_version(void);  /* LOWBIT_ABI_VERSION */
 /* The layout of the structs cpu_native.py mirrors, one entry per struct ("lowbit_block": offset 0,
@@ -38,12 +38,14 @@ enum { LOWBIT_ISA_AVX2 = 1, LOWBIT_ISA_VNNI256 = 2, LOWBIT_ISA_AVX512 = 3, LOWBI
  *   int8 (kind 2): scales d fp16 [16] (P = 2 bytes) or fp32 [16] (P = 4, per channel: one group of
  *                  K), codes per block 8 x 64 B, byte [j][r][i] = q[r][4j + i] + 128 (w = d q)
  *   GGML blocks in tiles (kind 4, cpu_kq_tiles.c; P the GGML type, group its super-block: 256 for
- *                  Q4_K, Q5_K, Q6_K, 32 for Q5_0, Q5_1): the header of the group's 16 rows (kq_mm.py
- *                  says what each type's holds: fp16 super-scales, integer sub-block scales), then per
+ *                  Q4_K, Q5_K, Q6_K, 32 for Q5_0, Q5_1, two blocks (64) for MXFP4): the header of the
+ *                  group's 16 rows (kq_mm.py says what each type's holds: fp16 super-scales, integer
+ *                  sub-block scales, MXFP4's E8M0 exponent bytes), then per
  *                  block int4's 4 x 64 B of low nibbles and the codes' high bits: 64 B (5-bit codes,
  *                  bit 2j + h of byte [r][i] is bit 4 of the code in nibble h of byte [j][r][i]) or
  *                  2 x 64 B (6-bit: bits 2v, 2v + 1 of byte [r][i] of the first for nibble vectors
- *                  v = 2j + h < 4, of the second for v - 4)
+ *                  v = 2j + h < 4, of the second for v - 4); MXFP4's nibbles index its codebook, no
+ *                  high bits
  * Units start on 64-byte lines: 64 bytes of scales (one group's, or two groups' when theirs take 32),
  * or a kind-4 header of 256 or 320 bytes, then those groups' codes.
  *   GGML blocks (kind 3, cpu_ggml.c): rows as GGUF stores them, each row K / QK blocks of its type (P, a
@@ -64,14 +66,24 @@ typedef struct lowbit_linear {
     const struct lowbit_linear *next;  /* kinds 1, 2, 4: the rows after these, or NULL */
 } lowbit_linear;
 
-enum { LOWBIT_Q5_0 = 6, LOWBIT_Q5_1 = 7, LOWBIT_Q4_K = 12, LOWBIT_Q5_K = 13, LOWBIT_Q6_K = 14 };
+enum { LOWBIT_Q5_0 = 6, LOWBIT_Q5_1 = 7, LOWBIT_Q4_K = 12, LOWBIT_Q5_K = 13, LOWBIT_Q6_K = 14, LOWBIT_MXFP4 = 39 };
 
 /* Kind 4: a group's header bytes (16 rows) and a 32-k block's code bytes, by GGML type (0: not one). */
 static inline int64_t lowbit_kq_header(int64_t t) {
-    return t == LOWBIT_Q4_K || t == LOWBIT_Q5_K ? 256 : t == LOWBIT_Q6_K ? 320 : t == LOWBIT_Q5_0 ? 32
-         : t == LOWBIT_Q5_1 ? 64 : 0;
+    return t == LOWBIT_Q4_K || t == LOWBIT_Q5_K ? 256 : t == LOWBIT_Q6_K ? 320
+         : t == LOWBIT_Q5_0 || t == LOWBIT_MXFP4 ? 32 : t == LOWBIT_Q5_1 ? 64 : 0;
 }
-static inline int64_t lowbit_kq_block(int64_t t) { return t == LOWBIT_Q4_K ? 256 : t == LOWBIT_Q6_K ? 384 : 320; }
+static inline int64_t lowbit_kq_block(int64_t t) {
+    return t == LOWBIT_Q4_K || t == LOWBIT_MXFP4 ? 256 : t == LOWBIT_Q6_K ? 384 : 320;
+}
+
+/* MXFP4's E8M0 exponent byte e → its scale 2^(e - 128) in fp32 (half of E8M0's 2^(e - 127): the codebook
+ * holds E2M1's values doubled, kernels/ggml_blocks.py), from its bits as ggml's ggml_e8m0_to_fp32_half:
+ * e >= 2 the normal (e - 1) << 23, e = 1 and 0 the subnormals 2^-127 and 2^-128. */
+static inline float lowbit_e8m0_half(uint8_t e) {
+    const union { uint32_t u; float f; } v = {e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23};
+    return v.f;
+}
 
 /* Bytes of one group's 16 scales (a kind-4 header), of its codes, and log2 of the groups per unit
  * (kernels/tile_layout.py: one, or two when their scales take 32 bytes). Shifts, not divisions: these
@@ -161,6 +173,9 @@ typedef struct {
     int64_t act;     /* the gated MLP's activation: 0 SiLU (SwiGLU), 1 GELU, tanh approximation (GeGLU) */
     int64_t rope;    /* lowbit_decode_paged_layers: which of its rotary tables this block's layer takes */
     int64_t window;  /* lowbit_decode_paged_layers: this layer's sliding window, 0 for none */
+    /* lowbit_decode_paged_layers: this layer's attention sinks, fp32 [n_heads] (gpt-oss: one learned logit per
+     * head in each row's softmax, with no value), or NULL */
+    const float *sinks;
 } lowbit_block;
 
 /* One side (K or V) of one layer of the paged pool (runtime/engine/kv_cache.py), as stored (codes points at
@@ -263,12 +278,12 @@ size_t lowbit_paged_attention_partials(int64_t nchunks, int64_t H, int64_t D);
 void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
                                  const int64_t *plan, int64_t nchunks, const int64_t *tables, const int64_t *toff,
                                  int64_t page_size, const lowbit_kv_side *ks, const lowbit_kv_side *vs,
-                                 const float *rot, float scale, float *scratch, size_t per_thread, float *partials,
-                                 float *out);
+                                 const float *rot, const float *sinks, float scale, float *scratch, size_t per_thread,
+                                 float *partials, float *out);
 int lowbit_paged_decode_attention(const float *q, int64_t sq, int64_t R, int64_t H, int64_t Hkv, int64_t D,
                                   const int64_t *ctx, const int64_t *tables, const int64_t *toff, int64_t page_size,
                                   const lowbit_kv_side *ks, const lowbit_kv_side *vs, const float *rot,
-                                  int64_t window, float scale, float *out, int nthreads);
+                                  const float *sinks, int64_t window, float scale, float *out, int nthreads);
 
 /* cpu_block.c: a block's fused halves, and a whole decode step over the paged pool. */
 int lowbit_block_pre(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *delta, float *residual,

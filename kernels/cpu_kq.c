@@ -1,4 +1,4 @@
-/* GGML's K-quant and 5-bit blocks in lowbit's tiles (kind 4 of cpu_kernels.h): the repack at load (a
+/* GGML's K-quant, 5-bit and MXFP4 blocks in lowbit's tiles (kind 4 of cpu_kernels.h): the repack at load (a
  * file's rows of blocks → tiles of 16 rows, lossless: every code and scale is kept, and the bytes are
  * the file's, Q6_K's header padded to a 64-byte line: 1.0095x; Q4_0, Q4_1 and Q8_0 go into the int4 and
  * int8 tiles the same way, what kernels/int4_mm.py and int8_mm.py pack from their codes), the check the
@@ -11,7 +11,10 @@
  *   Q6_K        d fp16 [16] | scales int8, sub-block s of row r at 32 + 16 s + r | 32 zero bytes
  *   Q5_0        d fp16 [16]
  *   Q5_1        d fp16 [16] | m fp16 [16]
- * and per block of 32 its codes (cpu_kernels.h). */
+ *   MXFP4       E8M0 exponent bytes, block b of the group (of 2) of row r at 16 b + r
+ * and per block of 32 its codes (cpu_kernels.h). MXFP4's group is two of its 17-byte blocks, so the tiles
+ * hold its 34 bytes per 64 weights of a row in 32 + 2 x 16: the file's size, 4.25 bits a weight (plus an
+ * odd last group's 32 bytes of padding per 16 rows, kernels/tile_layout.py). */
 #define _XOPEN_SOURCE 700  /* pread */
 #include <immintrin.h>
 #include <omp.h>
@@ -24,8 +27,10 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* GGUF blocks that move into the int4 / int8 tiles (kinds 1, 2) */
 
-/* Values per group (a GGUF block) and bytes per GGUF block, by type. */
-static int64_t group_of(int64_t t) { return t == LOWBIT_Q4_K || t == LOWBIT_Q5_K || t == LOWBIT_Q6_K ? 256 : 32; }
+/* Values per group (a GGUF block; MXFP4: two, for a 32-byte header) and the file's bytes per group, by type. */
+static int64_t group_of(int64_t t) {
+    return t == LOWBIT_Q4_K || t == LOWBIT_Q5_K || t == LOWBIT_Q6_K ? 256 : t == LOWBIT_MXFP4 ? 64 : 32;
+}
 static int64_t file_bytes(int64_t t) {
     switch (t) {
         case Q4_0: return 18;
@@ -36,6 +41,7 @@ static int64_t file_bytes(int64_t t) {
         case LOWBIT_Q6_K: return 210;
         case LOWBIT_Q5_0: return 22;
         case LOWBIT_Q5_1: return 24;
+        case LOWBIT_MXFP4: return 2 * 17;
         default: return 0;
     }
 }
@@ -80,6 +86,13 @@ static inline __attribute__((always_inline)) void block_codes(const int64_t t, c
         const __m128i lo = _mm_and_si128(q, _mm256_castsi256_si128(m15));
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm256_castsi256_si128(m15));
         _mm_storeu_si128((__m128i *)u, lo), _mm_storeu_si128((__m128i *)(u + 16), hi);
+    } else if (t == LOWBIT_MXFP4) {  /* two blocks: e, then 16 bytes, element j low nibble, j + 16 high */
+        for (int b = 0; b < 2; b++) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(p + 17 * b + 1));
+            const __m128i lo = _mm_and_si128(q, _mm256_castsi256_si128(m15));
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm256_castsi256_si128(m15));
+            _mm_storeu_si128((__m128i *)(u + 32 * b), lo), _mm_storeu_si128((__m128i *)(u + 32 * b + 16), hi);
+        }
     } else if (t == Q8_0) {  /* int8 q, stored as q + 128 for the unsigned operand */
         STORE(u, _mm256_xor_si256(LOAD(p + 2), _mm256_set1_epi8((char)0x80)));
     } else {  /* Q5_0, Q5_1: qh a little-endian u32, then 16 bytes of nibbles */
@@ -106,6 +119,9 @@ static inline __attribute__((always_inline)) void put_header(const int64_t t, co
         case LOWBIT_Q6_K:
             memcpy(hdr + 2 * r, p + 208, 2);
             for (int s = 0; s < 16; s++) hdr[32 + 16 * s + r] = p[192 + s];
+            return;
+        case LOWBIT_MXFP4:  /* the two blocks' exponent bytes */
+            hdr[r] = p[0], hdr[16 + r] = p[17];
             return;
         case LOWBIT_Q5_1: case Q4_1:
             memcpy(hdr + 32 + 2 * r, p + 2, 2);
@@ -141,7 +157,7 @@ static inline __attribute__((always_inline)) void put_codes(const int64_t t, con
         uint32_t words[4];
         _mm_storeu_si128((__m128i *)words, nib);
         for (int j = 0; j < 4; j++) memcpy(cb + 64 * j + 4 * r, &words[j], 4);
-        if (t == LOWBIT_Q4_K || t == Q4_0 || t == Q4_1) continue;
+        if (t == LOWBIT_Q4_K || t == Q4_0 || t == Q4_1 || t == LOWBIT_MXFP4) continue;
         if (t != LOWBIT_Q6_K) {
             const uint32_t b4 = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(ub, 3));  /* bit k: bit 4 of u[k] */
             for (int i = 0; i < 4; i++) cb[256 + 4 * r + i] = (uint8_t)_pext_u32(b4, 0x11111111u << i);
@@ -190,7 +206,7 @@ static void pack_tile(const lowbit_linear *w, int64_t t, const uint8_t *const *r
     switch (t) {
 #define TYPE(T) case T: pack_tile_of(T, w, rows, n, out); return;
         TYPE(Q4_0) TYPE(Q4_1) TYPE(Q8_0) TYPE(LOWBIT_Q4_K) TYPE(LOWBIT_Q5_K) TYPE(LOWBIT_Q6_K) TYPE(LOWBIT_Q5_0)
-        TYPE(LOWBIT_Q5_1)
+        TYPE(LOWBIT_Q5_1) TYPE(LOWBIT_MXFP4)
 #undef TYPE
         default: return;
     }
@@ -265,6 +281,9 @@ int lowbit_tiles_pack(int64_t t, const uint8_t *src, int fd, int64_t offset, con
     return failed ? -2 : 0;
 }
 
+/* MXFP4's codebook: E2M1's values doubled (kernels/ggml_blocks.py KVALUES_MXFP4). */
+static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 static inline float f16_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -288,9 +307,11 @@ static void dequant_row(const lowbit_linear *w, int64_t n, float *out) {
                         const int k = 8 * j + 4 * h + i, v = 2 * j + h;  /* k in the block, v its nibble vector */
                         int u = (cb[64 * j + 4 * r + i] >> (4 * h)) & 15;
                         if (t == LOWBIT_Q6_K) u |= ((cb[(v < 4 ? 256 : 320) + 4 * r + i] >> (2 * (v & 3))) & 3) << 4;
-                        else if (t != LOWBIT_Q4_K) u |= ((cb[256 + 4 * r + i] >> v) & 1) << 4;
+                        else if (t != LOWBIT_Q4_K && t != LOWBIT_MXFP4) u |= ((cb[256 + 4 * r + i] >> v) & 1) << 4;
                         float x;
-                        if (t == LOWBIT_Q4_K || t == LOWBIT_Q5_K) {
+                        if (t == LOWBIT_MXFP4) {  /* as gguf: the fp32 power of two times the code, one product */
+                            x = lowbit_e8m0_half(hdr[16 * b + r]) * (float)mxfp4_values[u];
+                        } else if (t == LOWBIT_Q4_K || t == LOWBIT_Q5_K) {
                             const int64_t jj = b;  /* sub-block of 32 */
                             const uint8_t *q = hdr + 64 + r;
                             int sc, m;

@@ -1,5 +1,5 @@
-/* The integer inner loops for GGML's K-quant and 5-bit blocks repacked into lowbit's tiles (kind 4 of
- * cpu_kernels.h: Q4_K, Q5_K, Q6_K, Q5_0, Q5_1; kernels/kq_mm.py writes the layout and is the spec).
+/* The integer inner loops for GGML's K-quant, 5-bit and MXFP4 blocks repacked into lowbit's tiles (kind 4
+ * of cpu_kernels.h: Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4; kernels/kq_mm.py writes the layout and is the spec).
  * Compiled once per instruction set, as cpu_wq_tiles.c, whose int4 passes these follow: a block's codes
  * are int4's 4 x 64 bytes of low nibbles in VNNI quad order plus, for 5- and 6-bit codes, their high
  * bits in 64 or 128 bytes laid out as the nibbles (byte [r][i] of the plane serves byte [j][r][i] of every
@@ -17,17 +17,28 @@
  *   Q5_0 (w = d (u - 16)):      y = y + (float)(T - 16 S) * (d * s)
  *   Q5_1 (w = d u + m):         y = y + (float)T * (d * s);  y = y + m * sS
  *   Q6_K (w = a (u - 32), per 16): y = y + (float)(T0 - 32 S0) * (a0 * s);  y = y + (float)(T1 - 32 S1) * (a1 * s)
+ *   MXFP4 (w = a (u - 16)):     y = y + (float)(T - 16 S) * (a * s),  a = 2^(e - 128) per block of 32
+ *
+ * MXFP4's nibbles index a codebook of signed codes c (-12..12); one byte shuffle per vector turns them into
+ * u = c + 16 (4..28), an unsigned operand whose T - 16 S is sum c q: |sum c q| <= 12 x 32512 x 32 < 2^24,
+ * so (float)(T - 16 S) is exact, and a * s is too (a power of two) unless it leaves fp32's normal range.
  *
  * with T = sum u q over the block (T0, T1 over its halves), S the codes' sum, s and sS = s (float)S the
  * activation block's (lowbit_qblock). T is an exact integer on every path; (float)T rounds only for 5-bit
  * codes with mins (|T| <= 31 x 32512 x 32 < 2^25), the same rounding everywhere. AVX2 sums vpmaddubsw's
  * int16 pairs: <= 2 x 15 x 128 each for 4-bit codes (8 fit in int16), 2 x 31 x 128 for 5-bit (4 fit),
- * 2 x 63 x 128 for 6-bit (2 fit), so 5- and 6-bit codes are widened to int32 after every 2 or 1 chunks. */
+ * 2 x 63 x 128 for 6-bit (2 fit), so 5- and 6-bit codes are widened to int32 after every 2 or 1 chunks
+ * (MXFP4's u <= 28: 2 x 28 x 128 each, 4 fit, every 2 chunks). */
 #include "cpu_tiles.h"
 
 #define IS_Q5(ST) ((ST) == LOWBIT_Q5_K || (ST) == LOWBIT_Q5_0 || (ST) == LOWBIT_Q5_1)
 #define HAS_DMIN(ST) ((ST) == LOWBIT_Q4_K || (ST) == LOWBIT_Q5_K)
 #define HAS_M(ST) ((ST) == LOWBIT_Q5_1)  /* a per-block min m: y + m sS */
+#define HAS_PLANES(ST) (IS_Q5(ST) || (ST) == LOWBIT_Q6_K)  /* high-bit planes after a block's nibbles */
+#define OFF16(ST) ((ST) == LOWBIT_Q5_0 || (ST) == LOWBIT_MXFP4)  /* u = c + 16: T - 16 S */
+
+/* MXFP4's codebook (kernels/ggml_blocks.py KVALUES_MXFP4) + 16: the unsigned codes u its nibbles index. */
+static const uint8_t mxfp4_u[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
 
 /* Q4_K / Q5_K: block j's 6-bit scales and mins of the 16 rows (bytes), from the header's 12 packed bytes
  * a row (byte i of the 16 rows at 64 + 16 i), GGUF's get_scale_min_k4 on 16 rows at once. */
@@ -56,6 +67,8 @@ typedef __m512 VF;
 #define VAND(a, b) _mm512_and_si512(a, b)
 #define VSET8(x) _mm512_set1_epi8((char)(x))
 #define VANDOR(t, m, u) _mm512_ternarylogic_epi32(t, m, u, 0xEA) /* (t & m) | u */
+#define VLUT(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))  /* 16 bytes in each lane */
+#define VSHUF(t, i) _mm512_shuffle_epi8(t, i)
 #else
 typedef __m256i VI;
 typedef __m256 VF;
@@ -65,6 +78,8 @@ typedef __m256 VF;
 #define VAND(a, b) _mm256_and_si256(a, b)
 #define VSET8(x) _mm256_set1_epi8((char)(x))
 #define VANDOR(t, m, u) _mm256_or_si256(_mm256_and_si256(t, m), u)
+#define VLUT(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
+#define VSHUF(t, i) _mm256_shuffle_epi8(t, i)
 #endif
 
 static inline VI to_bit4(VI v, const int from) {
@@ -76,6 +91,7 @@ static inline VI to_bit4(VI v, const int from) {
 static inline __attribute__((always_inline)) VI kq_codes(const int ST, VI v, VI p0, VI p1, const int j,
                                                          const int h) {
     VI u = h ? VAND(VSRLI(v, 4), VSET8(15)) : VAND(v, VSET8(15));
+    if (ST == LOWBIT_MXFP4) return VSHUF(VLUT(mxfp4_u), u);
     if (IS_Q5(ST)) u = VANDOR(to_bit4(p0, 2 * j + h), VSET8(0x10), u);
     if (ST == LOWBIT_Q6_K) {
         const int vv = 2 * j + h;
@@ -99,6 +115,12 @@ static inline __attribute__((always_inline)) void kq_scales(const int ST, const 
         const __m128i *sc = (const __m128i *)(hdr + 32 + 32 * bb);
         *s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sc))));
         *s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1))));
+    } else if (ST == LOWBIT_MXFP4) {  /* lowbit_e8m0_half on the 16 rows' exponent bytes of block bb */
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(hdr + 16 * bb)));
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+        *s0 = *s1 = _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)),
+                                                                normal, sub));
     } else {
         *s0 = d, *s1 = dm;
     }
@@ -107,7 +129,7 @@ static inline __attribute__((always_inline)) void kq_scales(const int ST, const 
 /* acc += the block's (or half's) term for one row, T = 256 sum(u h) + sum(u l) its integer sum. */
 static inline __attribute__((always_inline)) __m512 kq_epilogue(const int ST, __m512 acc, __m512i T, __m512 s0,
                                                                 __m512 s1, const lowbit_qblock *q, const int half) {
-    if (ST == LOWBIT_Q5_0) T = _mm512_sub_epi32(T, _mm512_set1_epi32(q->S16));
+    if (OFF16(ST)) T = _mm512_sub_epi32(T, _mm512_set1_epi32(q->S16));
     if (ST == LOWBIT_Q6_K) T = _mm512_sub_epi32(T, _mm512_set1_epi32(half ? q->S32b : q->S32a));
     const __m512 a = ST == LOWBIT_Q6_K && half ? s1 : s0;
     acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(T), _mm512_mul_ps(a, _mm512_set1_ps(q->s))));
@@ -116,9 +138,10 @@ static inline __attribute__((always_inline)) __m512 kq_epilogue(const int ST, __
     return acc;
 }
 
-/* A group's super-scales d and dmin (m for Q5_1; d again where there is none), 16 rows. */
+/* A group's super-scales d and dmin (m for Q5_1; d again where there is none), 16 rows; MXFP4 has none
+ * (its scales are per block: kq_scales). */
 static inline __attribute__((always_inline)) void kq_group(const int ST, const uint8_t *hdr, __m512 *d, __m512 *dm) {
-    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hdr));
+    *d = ST == LOWBIT_MXFP4 ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hdr));
     *dm = HAS_DMIN(ST) || HAS_M(ST) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 32))) : *d;
 }
 
@@ -135,7 +158,7 @@ static inline __attribute__((always_inline)) kq_block512 kq_block(const int ST, 
     kq_block512 k;
     k.cb = codes + bb * lowbit_kq_block(ST);
     kq_scales(ST, hdr, bb, d, dm, &k.s0, &k.s1);
-    k.p0 = ST == LOWBIT_Q4_K ? _mm512_setzero_si512() : VLOAD(k.cb + 256);
+    k.p0 = HAS_PLANES(ST) ? VLOAD(k.cb + 256) : _mm512_setzero_si512();
     k.p1 = ST == LOWBIT_Q6_K ? VLOAD(k.cb + 320) : k.p0;
     return k;
 }
@@ -274,6 +297,11 @@ static inline __attribute__((always_inline)) void kq_scales(const int ST, const 
         const uint8_t *sc = hdr + 32 + 32 * bb + 8 * half;
         *s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
         *s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16)))));
+    } else if (ST == LOWBIT_MXFP4) {  /* lowbit_e8m0_half on the half's 8 exponent bytes of block bb */
+        const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(hdr + 16 * bb + 8 * half)));
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        *s0 = *s1 = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
     } else {
         *s0 = d, *s1 = dm;
     }
@@ -282,7 +310,7 @@ static inline __attribute__((always_inline)) void kq_scales(const int ST, const 
 /* y[0..8) += the block's (or half's) term, T its integer sum. */
 static inline __attribute__((always_inline)) void kq_epilogue(const int ST, float *yo, __m256i T, __m256 s0,
                                                               __m256 s1, const lowbit_qblock *q, const int half) {
-    if (ST == LOWBIT_Q5_0) T = _mm256_sub_epi32(T, _mm256_set1_epi32(q->S16));
+    if (OFF16(ST)) T = _mm256_sub_epi32(T, _mm256_set1_epi32(q->S16));
     if (ST == LOWBIT_Q6_K) T = _mm256_sub_epi32(T, _mm256_set1_epi32(half ? q->S32b : q->S32a));
     const __m256 a = ST == LOWBIT_Q6_K && half ? s1 : s0;
     __m256 acc = _mm256_add_ps(_mm256_loadu_ps(yo), _mm256_mul_ps(_mm256_cvtepi32_ps(T), _mm256_mul_ps(a, _mm256_set1_ps(q->s))));
@@ -293,7 +321,7 @@ static inline __attribute__((always_inline)) void kq_epilogue(const int ST, floa
 
 #if LB_ISA == 1
 /* AVX2: after how many chunks j the int16 pair sums must be widened (the file's comment). */
-#define FLUSH_EVERY(ST) ((ST) == LOWBIT_Q6_K ? 1 : IS_Q5(ST) ? 2 : 4)
+#define FLUSH_EVERY(ST) ((ST) == LOWBIT_Q6_K ? 1 : IS_Q5(ST) || (ST) == LOWBIT_MXFP4 ? 2 : 4)
 #endif
 
 static inline __attribute__((always_inline)) void kq_full(const int ST, const int R, const int H, int64_t m0,
@@ -306,7 +334,8 @@ static inline __attribute__((always_inline)) void kq_full(const int ST, const in
         const uint8_t *hdr = lowbit_walk_scales(&walk, gi), *codes = lowbit_walk_codes(&walk, gi);
         __m256 d[2], dm[2];
         for (int h = 0; h < H; h++) {
-            d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * (half0 + h))));
+            d[h] = ST == LOWBIT_MXFP4 ? _mm256_setzero_ps()  /* its scales are per block (kq_scales) */
+                                      : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * (half0 + h))));
             dm[h] = HAS_DMIN(ST) || ST == LOWBIT_Q5_1
                         ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 32 + 16 * (half0 + h)))) : d[h];
         }
@@ -317,7 +346,7 @@ static inline __attribute__((always_inline)) void kq_full(const int ST, const in
             __m256i p0[2], p1[2];
             for (int h = 0; h < H; h++) {
                 kq_scales(ST, hdr, bb, half0 + h, d[h], dm[h], &s0[h], &s1[h]);
-                p0[h] = ST == LOWBIT_Q4_K ? _mm256_setzero_si256() : VLOAD(cb + 256 + 32 * h);
+                p0[h] = HAS_PLANES(ST) ? VLOAD(cb + 256 + 32 * h) : _mm256_setzero_si256();
                 p1[h] = ST == LOWBIT_Q6_K ? VLOAD(cb + 320 + 32 * h) : p0[h];
             }
             __m256i th[2][4], tl[2][4];  /* AVX2: int16 pair sums, widened into T at each flush */
@@ -427,7 +456,9 @@ static inline __attribute__((always_inline)) void kq_half_wd(const int ST, const
 #define KQ_HALF_WD(...) (void)0
 #endif
 
-/* As cpu_wq_tiles.c's entries: one or two rows over whole tiles, more rows over each half in turn. */
+/* As cpu_wq_tiles.c's entries: one or two rows over whole tiles (the 4-bit types: no high-bit planes
+ * to hold), more rows over each half in turn. */
+#define WHOLE_TILE(ST) ((ST) == LOWBIT_Q4_K || (ST) == LOWBIT_MXFP4)
 #define KQ_TILES(ST, name)                                                                                \
     static inline __attribute__((always_inline)) void name##_half(const int R, int64_t m0,                 \
                                                                   const lowbit_linear *w,                  \
@@ -443,8 +474,8 @@ static inline __attribute__((always_inline)) void kq_half_wd(const int ST, const
         const int64_t tile_bytes = lowbit_tile_bytes(w);                                                  \
         for (int64_t t = t0; t < t1; t++) {                                                               \
             const uint8_t *tile = w->data + t * tile_bytes;                                               \
-            if (mc == 1 && ST == LOWBIT_Q4_K) kq_full(ST, 1, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y);   \
-            else if (mc == 2 && ST == LOWBIT_Q4_K) kq_full(ST, 2, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y); \
+            if (mc == 1 && WHOLE_TILE(ST)) kq_full(ST, 1, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y);      \
+            else if (mc == 2 && WHOLE_TILE(ST)) kq_full(ST, 2, 2, m0, w, a, tile, t * LOWBIT_TILE, 0, y); \
             else                                                                                          \
                 for (int half = 0; half < 2; half++)                                                      \
                     ROW_PASSES(name##_half, m0, mc, w, a, tile, t * LOWBIT_TILE, half, y)                 \
@@ -457,6 +488,7 @@ KQ_TILES(LOWBIT_Q5_K, q5k)
 KQ_TILES(LOWBIT_Q6_K, q6k)
 KQ_TILES(LOWBIT_Q5_0, q50)
 KQ_TILES(LOWBIT_Q5_1, q51)
+KQ_TILES(LOWBIT_MXFP4, mxfp4)
 
 void NAME(lowbit_kq_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t m0, int64_t mc, int64_t t0,
                            int64_t t1, float *y) {
@@ -466,6 +498,7 @@ void NAME(lowbit_kq_tiles)(const lowbit_linear *w, const lowbit_qact *a, int64_t
         case LOWBIT_Q6_K: q6k_tiles(w, a, m0, mc, t0, t1, y); return;
         case LOWBIT_Q5_0: q50_tiles(w, a, m0, mc, t0, t1, y); return;
         case LOWBIT_Q5_1: q51_tiles(w, a, m0, mc, t0, t1, y); return;
+        case LOWBIT_MXFP4: mxfp4_tiles(w, a, m0, mc, t0, t1, y); return;
         default: return;
     }
 }

@@ -116,7 +116,7 @@ class _Block(ctypes.Structure):
                 ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("attn_post_norm", ctypes.c_void_p), ("ffn_post_norm", ctypes.c_void_p), ("act", ctypes.c_int64),
-                ("rope", ctypes.c_int64), ("window", ctypes.c_int64)]
+                ("rope", ctypes.c_int64), ("window", ctypes.c_int64), ("sinks", ctypes.c_void_p)]
 
 
 class _KVSide(ctypes.Structure):
@@ -127,7 +127,7 @@ class _KVSide(ctypes.Structure):
 
 # The structs that cross into C, by their names in cpu_kernels.h (`check_abi` compares each with C).
 ABI_STRUCTS = (("lowbit_linear", _Linear), ("lowbit_ctx", _Ctx), ("lowbit_block", _Block), ("lowbit_kv_side", _KVSide))
-ABI_VERSION = 5  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
+ABI_VERSION = 6  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
 
 
 class AbiMismatch(Exception):
@@ -178,7 +178,7 @@ class NativeKernels:
         lib.lowbit_decode_paged_layers.argtypes = [ctxp, blk, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, side, side,
                                                    ptr, ptr, ptr, ptr, ptr, f32]
         lib.lowbit_paged_decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, side, side,
-                                                      ptr, i64, f32, ptr, ctypes.c_int]
+                                                      ptr, ptr, i64, f32, ptr, ctypes.c_int]
 
     def with_isa(self, isa: str) -> "NativeKernels":
         """The same library with its matmuls on another instruction set (tests and benchmarks: every
@@ -362,12 +362,15 @@ class NativeKernels:
 
     def paged_decode_attention(self, q: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor, toff: torch.Tensor,
                                page_size: int, k_side: KVSide, v_side: KVSide,
-                               rot: torch.Tensor | None, window: int | None) -> torch.Tensor:
+                               rot: torch.Tensor | None, window: int | None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One query token per row over the paged pool (cpu_attention.c): q fp32 [R, H, D] (heads
         contiguous), ctx int64 [R] keys seen per row, row r's page ids at tables[toff[r]:] (int64),
         k_side/v_side one layer's keys and values in the pool (kernels/kv_side.py),
-        rot fp32 [D, D] (kernels/kv_quant.py rotation) when both sides are stored rotated → fp32 [R, H, D]."""
+        rot fp32 [D, D] (kernels/kv_quant.py rotation) when both sides are stored rotated, sinks fp32 [H]
+        (gpt-oss: a logit per head in each row's softmax, with no value) or None → fp32 [R, H, D]."""
         R, H, D = q.shape
+        check_sinks(sinks, H, "cpu paged decode attention")
         sides = [self._side(s, D) for s in (k_side, v_side)]
         Hkv = k_side.n_kv_heads
         ok = q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == D and H % Hkv == 0 and D % 8 == 0 \
@@ -379,8 +382,8 @@ class NativeKernels:
         out = torch.empty(R, H, D)
         rc = self.lib.lowbit_paged_decode_attention(
             q.data_ptr(), q.stride(0), R, H, Hkv, D, ctx.data_ptr(), tables.data_ptr(), toff.data_ptr(), page_size,
-            ctypes.byref(sides[0]), ctypes.byref(sides[1]), self._signs(rot), window or 0,
-            D ** -0.5, out.data_ptr(), torch.get_num_threads())
+            ctypes.byref(sides[0]), ctypes.byref(sides[1]), self._signs(rot),
+            None if sinks is None else sinks.data_ptr(), window or 0, D ** -0.5, out.data_ptr(), torch.get_num_threads())
         if rc:
             raise ValueError(f"cpu paged decode attention failed (status {rc})")
         return out
@@ -449,6 +452,15 @@ class NativeKernels:
         if not ok or bits not in (4, 8, 16, 32):
             raise ValueError(f"cpu paged decode attention: unsupported {bits}-bit cache side")
         return side
+
+
+def check_sinks(sinks: torch.Tensor | None, H: int, who: str) -> None:
+    """Attention sinks as the C kernels read them: None, or contiguous fp32 [H] on the CPU (a model whose
+    file stores them in bf16 converts them once at load, not per step)."""
+    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (H,) or not sinks.is_contiguous()
+                              or sinks.device.type != "cpu"):
+        raise ValueError(f"{who}: sinks must be contiguous fp32 [{H}] on CPU, got {sinks.dtype} "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
 
 
 @functools.lru_cache(maxsize=1)

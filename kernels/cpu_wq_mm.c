@@ -81,7 +81,7 @@ static const struct {
     ABI_FIELD(lowbit_block, qkv), ABI_FIELD(lowbit_block, o), ABI_FIELD(lowbit_block, gate_up),
     ABI_FIELD(lowbit_block, down), ABI_FIELD(lowbit_block, q_norm), ABI_FIELD(lowbit_block, k_norm),
     ABI_FIELD(lowbit_block, attn_post_norm), ABI_FIELD(lowbit_block, ffn_post_norm), ABI_FIELD(lowbit_block, act),
-    ABI_FIELD(lowbit_block, rope), ABI_FIELD(lowbit_block, window),
+    ABI_FIELD(lowbit_block, rope), ABI_FIELD(lowbit_block, window), ABI_FIELD(lowbit_block, sinks),
     ABI_STRUCT(lowbit_kv_side), ABI_FIELD(lowbit_kv_side, bits), ABI_FIELD(lowbit_kv_side, group),
     ABI_FIELD(lowbit_kv_side, codes), ABI_FIELD(lowbit_kv_side, scales), ABI_FIELD(lowbit_kv_side, mins),
 };

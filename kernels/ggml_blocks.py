@@ -19,11 +19,16 @@ only rounding is the one GGUF's reference does too (`gguf.quants.dequantize`, nu
     Q5_K   256  176    d, dmin, scales[12], qh[32], qs[128]                (d sc) q - (dmin m), q = 5 bits, per 32
     Q6_K   256  210    ql[128], qh[64], scales[16] int8, d                 (d sc) (q - 32), q = 6 bits, per 16
     IQ4_XS 256  136    d, scales_h u16, scales_l[4], qs[128]               (d (ls - 32)) KV[q], per 32
+    MXFP4   32   17    e u8 (E8M0), qs[16]                                 2^(e - 128) * KVM[q], q = 4 bits
 
-KV is IQ4_NL's 16-value codebook. Q4_0, Q4_1 and Q8_0 are lowbit's own int4/int8 layouts too
+KV is IQ4_NL's 16-value codebook; KVM is MXFP4's, E2M1's values doubled (so integers: 0 1 2 3 4 6 8 12 and their
+negatives), its scale therefore half the E8M0 exponent's 2^(e - 127): a power of two from 2^-128 (e 0 and 1 give
+fp32 subnormals) to 2^127 (e = 255: no NaN, as ggml's ggml_e8m0_to_fp32_half), exact in fp32 but not in fp16 — held
+as the exponent byte, and d * KVM[q] is one exact product unless it overflows (2 * 2^127 > fp32's max: inf, as gguf).
+Q4_0, Q4_1 and Q8_0 are lowbit's own int4/int8 layouts too
 (quant/ggml.py moves them there); they are here for weights fused with rows of another type (a QKV of
 Q5_0 Q and K rows and Q8_0 V rows, in llama.cpp's Q4_K_M mix). Codes of a sub-block of 32 sit in one run of 16 bytes (Q5_0,
-Q5_1, IQ4_NL, IQ4_XS: element j low nibble, j + 16 high) or of 32 bytes shared by 64 elements
+Q5_1, IQ4_NL, IQ4_XS, MXFP4: element j low nibble, j + 16 high) or of 32 bytes shared by 64 elements
 (Q4_K, Q5_K, Q6_K's ql: j low, j + 32 high); Q2_K/Q3_K/Q6_K spread 2-bit planes over 128 elements.
 """
 
@@ -36,8 +41,10 @@ import torch
 # qtype number (GGML's, as gguf.GGMLQuantizationType) → (name, values per block, bytes per block)
 BLOCKS = MappingProxyType({2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
                            12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
-                           20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136)})
+                           20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136), 39: ("MXFP4", 32, 17)})
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+MXFP4 = 39
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 x 2 (gguf.quants.MXFP4.kvalues)
 
 
 def row_bytes(qtype: int, K: int) -> int:
@@ -164,8 +171,21 @@ def _iq4_xs(b):
     return (dl * torch.tensor(KVALUES, dtype=torch.int8)[q].float()).reshape(-1, 256)
 
 
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes (uint8, any shape) → fp32 2^(e - 128), built from its bits as ggml does: e >= 2 is
+    the normal (e - 1) << 23, e = 1 and 0 the subnormals 2^-127 and 2^-128 (0x00200000 << e)."""
+    e = e.to(torch.int32)
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+
+
+def _mxfp4(b):
+    q = _nibbles(b[:, None, 1:17]).reshape(-1, 32).long()
+    return e8m0_half(b[:, 0:1]) * torch.tensor(KVALUES_MXFP4, dtype=torch.int8)[q].float()
+
+
 DECODERS = MappingProxyType({2: _q4_0, 3: _q4_1, 8: _q8_0, 6: _q5_0, 7: _q5_1, 10: _q2_k, 11: _q3_k, 12: lambda b: _q45_k(b, False),
-                             13: lambda b: _q45_k(b, True), 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs})
+                             13: lambda b: _q45_k(b, True), 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs,
+                             39: _mxfp4})
 
 
 def ggml_dequant_ref(data: torch.Tensor, qtype: int, K: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """GGML-block weight matmul on CPU: y[M, N] = x[M, K] @ dequant(W)[N, K]^T, W in a GGML block type
-(Q5_0, Q5_1, IQ4_NL, Q2_K … Q6_K, IQ4_XS) exactly as GGUF stores it (kernels/ggml_blocks.py).
+(Q5_0, Q5_1, IQ4_NL, Q2_K … Q6_K, IQ4_XS, MXFP4) exactly as GGUF stores it (kernels/ggml_blocks.py).
 
 Two paths, chosen per call as for int4/int8 (kernels/int4_mm.py):
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.kernels.ggml_blocks import BLOCKS, KVALUES, check_rows, ggml_dequant_ref
+from lowbit.kernels.ggml_blocks import BLOCKS, KVALUES, KVALUES_MXFP4, check_rows, ggml_dequant_ref
 from lowbit.kernels.triton_import import check_device, tl, triton
 
 SUB16 = (10, 11, 14)  # Q2_K, Q3_K, Q6_K: a scale per 16 values
@@ -33,7 +33,7 @@ class GgmlTritonPacked:
     data: torch.Tensor  # uint8 [split, row bytes]: the file's blocks, rows of type qtype
     qtype: int
     in_features: int  # K
-    kvalues: torch.Tensor  # int32 [16]: IQ4's codebook, on the weight's device
+    kvalues: torch.Tensor  # int32 [32]: IQ4's codebook, then MXFP4's, on the weight's device
     data2: torch.Tensor | None = None  # uint8 [N - split, row bytes]: rows of type qtype2 (a fused QKV)
     qtype2: int = 0
 
@@ -50,7 +50,8 @@ def ggml_triton_pack(data: torch.Tensor, qtype: int, in_features: int, data2: to
                      qtype2: int = 0) -> GgmlTritonPacked:
     check_rows(data, qtype, in_features)
     check_rows(data2, qtype2, in_features)
-    return GgmlTritonPacked(data.contiguous(), qtype, in_features, torch.tensor(KVALUES, dtype=torch.int32),
+    codebooks = torch.tensor(KVALUES + KVALUES_MXFP4, dtype=torch.int32)
+    return GgmlTritonPacked(data.contiguous(), qtype, in_features, codebooks,
                             None if data2 is None else data2.contiguous(), qtype2)
 
 
@@ -137,6 +138,11 @@ def _chunk(p, c0, kv_ptr, QTYPE: tl.constexpr, CK: tl.constexpr, BN: tl.constexp
         lo = (_byte(p, 64 * h + 32 * (s % 2) + i) >> (4 * (s // 2))) & 15
         hi = (_byte(p, 128 + 32 * h + i) >> (2 * s)) & 3
         c = (lo | (hi << 4)) - 32
+    elif QTYPE == 39:  # MXFP4: e (E8M0), nibbles indexing its codebook (kv_ptr[16:]); a = 2^(e - 128)
+        c = tl.load(kv_ptr + 16 + ((_byte(p, 1 + k % 16) >> (4 * (k // 16))) & 15))
+        e = _byte(p, z)
+        # the fp32 power of two from its bits (ggml's e8m0_to_fp32_half): e 0 and 1 are subnormals
+        a = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
     else:  # IQ4_XS (23): d, scales_h u16, scales_l[4], qs[128]; 6-bit scale per 32, codebook
         j = c0 // 32
         sh = _byte(p, z + 2) | (_byte(p, z + 3) << 8)

@@ -1,4 +1,4 @@
-"""GGML's K-quant and 5-bit blocks (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) repacked at load into lowbit's tiles
+"""GGML's K-quant, 5-bit and MXFP4 blocks (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, MXFP4) repacked at load into lowbit's tiles
 (kind 4 of kernels/cpu_kernels.h) and multiplied by integer dot products (kernels/cpu_kq_tiles.c):
 y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
 
@@ -6,24 +6,30 @@ Why repack: as the file stores them (kernels/ggml_mm.py, a row kernel) every 32 
 instructions, three times the int4 tiles', and at 8B decode was compute-bound at 28% of the memory's
 speed; in 16-row tiles one 64-byte load of codes serves 16 rows x 8 k, as for int4 (kernels/int4_mm.py).
 
-The layout (nothing is requantized; bytes held = the file's, Q6_K's header padded to a line: 1.0095x):
+The layout (nothing is requantized; bytes held = the file's, Q6_K's header padded to a line: 1.0095x;
+MXFP4 at 4.25 bits a weight as its file, plus 32 bytes per 16 rows where K / 64 is odd, e.g. gpt-oss's
+K = 2880: 1.0013x):
 
     tiles of 16 output rows (N padded with zero weights), per group — a super-block of 256 k (Q4_K,
-    Q5_K, Q6_K) or a block of 32 (Q5_0, Q5_1) — its header, then its blocks of 32 k:
+    Q5_K, Q6_K), a block of 32 (Q5_0, Q5_1) or two (MXFP4: 16 exponent bytes per block would not fill
+    the 32 bytes a header shares a line with) — its header, then its blocks of 32 k:
       header  Q4_K, Q5_K  d fp16 [16] | dmin fp16 [16] | the 12 packed scale bytes, byte i of the 16 rows
                           together (i = 0..11: 6-bit scale and min per 32, GGUF's packing)       256 B
               Q6_K        d fp16 [16] | int8 scale per 16 k: sub-block s of the 16 rows together | 32 zero  320 B
               Q5_0        d fp16 [16]                                                            32 B
               Q5_1        d fp16 [16] | m fp16 [16]                                              64 B
+              MXFP4       E8M0 exponent byte of block b of the group, the 16 rows together (16 b + r) 32 B
       block   4 x 64 B of low nibbles, byte [j][r][i] = u[r][8j + i] & 15 | (u[r][8j + 4 + i] & 15) << 4
               (int4's quad order), then the high bits of the codes u (unsigned: 4, 5, 6 bits):
               5-bit: 64 B, byte [r][i] bit 2j + h = bit 4 of the code in nibble h of byte [j][r][i]
               6-bit: 2 x 64 B, bits 4-5 of that code at bits 2v, 2v + 1 of byte [r][i] of the first
                      (v = 2j + h < 4) or the second (v - 4) plane
+              MXFP4: none; its nibbles u are indices into its codebook KVM (kernels/ggml_blocks.py)
     (kernels/tile_layout.py: a header of 32 bytes shares a line with the next group's, as Q4_0's scales)
 
 The weights, as gguf computes them (kernels/ggml_blocks.py), with a = d sc, b = dmin m (exact fp32):
-Q4_K / Q5_K w = a u - b per 32; Q6_K w = a (u - 32) per 16; Q5_0 w = d (u - 16); Q5_1 w = d u + m.
+Q4_K / Q5_K w = a u - b per 32; Q6_K w = a (u - 32) per 16; Q5_0 w = d (u - 16); Q5_1 w = d u + m;
+MXFP4 w = a KVM[u] per 32, a = 2^(e - 128) (fp32, from the exponent's bits: never rounded through fp16).
 
 Two paths, as for int4 (kernels/int4_mm.py): fast — lowbit's C kernels, activations rounded per block of
 32 to 16-bit codes (kernels/act_quant.py), exact integer sums, one fp32 epilogue (`kq_mm_fast_ref` is
@@ -43,13 +49,13 @@ import torch.nn.functional as F
 from lowbit.kernels import cpu_native
 from lowbit.kernels.act_quant import BLOCK, act_quant_ref
 from lowbit.kernels.exact_mm import exact_linear, in_tiles, takes_exact
-from lowbit.kernels.ggml_blocks import BLOCKS, check_rows, ggml_dequant_ref
+from lowbit.kernels.ggml_blocks import BLOCKS, KVALUES_MXFP4, MXFP4, check_rows, e8m0_half, ggml_dequant_ref
 from lowbit.kernels.tile_layout import TILE, pack_tiles, tile_bytes
 
 Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 = 12, 13, 14, 6, 7
 # type → (values per group, header bytes, code bytes per block of 32, code bits)
 KQ_TYPES = MappingProxyType({Q4_K: (256, 256, 256, 4), Q5_K: (256, 256, 320, 5), Q6_K: (256, 320, 384, 6),
-                             Q5_0: (32, 32, 320, 5), Q5_1: (32, 64, 320, 5)})
+                             Q5_0: (32, 32, 320, 5), Q5_1: (32, 64, 320, 5), MXFP4: (64, 32, 256, 4)})
 
 
 @dataclass
@@ -131,10 +137,11 @@ def _bits(b: torch.Tensor, shifts, mask: int) -> torch.Tensor:
 def kq_fields(blocks: torch.Tensor, qtype: int, K: int) -> dict[str, torch.Tensor]:
     """The file's rows → per row: codes `u` uint8 [N, K] (unsigned) and, per group [N, G]: `d` (fp16 bytes
     [N, G, 2]) and by type `dmin` and `scales` (Q4_K, Q5_K: [N, G, 2], [N, G, 12] packed), `sc` (Q6_K:
-    int8 bytes [N, G, 16]), `m` (Q5_1: [N, G, 2])."""
-    group, nbytes = KQ_TYPES[qtype][0], BLOCKS[qtype][2]
+    int8 bytes [N, G, 16]), `m` (Q5_1: [N, G, 2]); MXFP4 has no `d`, but `e` (the exponent bytes of the
+    group's two blocks: [N, G, 2]), and its `u` are codebook indices."""
+    group, (_, qk, nbytes) = KQ_TYPES[qtype][0], BLOCKS[qtype]
     N = blocks.shape[0]
-    b = blocks.reshape(N * (K // group), nbytes)  # [B, bytes]: one group each
+    b = blocks.reshape(N * (K // group), group // qk * nbytes)  # [B, bytes]: one group each
     if qtype in (Q4_K, Q5_K):
         qs = b[:, 48:176] if qtype == Q5_K else b[:, 16:144]
         u = _bits(qs.reshape(-1, 4, 32), [0, 4], 0xF).reshape(-1, 8, 32)  # [B, chunk c x nibble, 32]
@@ -146,6 +153,9 @@ def kq_fields(blocks: torch.Tensor, qtype: int, K: int) -> dict[str, torch.Tenso
         hi = _bits(b[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 8, 32)
         u = lo | (hi << 4)
         f = {"d": b[:, 208:210], "sc": b[:, 192:208]}
+    elif qtype == MXFP4:  # two blocks of e, qs[16] (element j low nibble, j + 16 high)
+        u = _bits(b.reshape(-1, 2, 17)[:, :, 1:], [0, 4], 0xF).reshape(-1, 64)  # [B, block x nibble x 16]
+        f = {"e": b[:, [0, 17]]}
     else:
         off = 2 if qtype == Q5_0 else 4
         hi = _bits(b[:, off:off + 4], range(8), 1).transpose(1, 2).reshape(-1, 32)  # bit i of the LE u32
@@ -174,6 +184,8 @@ def kq_pack_ref(blocks: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
         head = [by_row(f["d"]).transpose(2, 3), by_row(f["dmin"]).transpose(2, 3), by_row(f["scales"])]
     elif qtype == Q6_K:
         head = [by_row(f["d"]).transpose(2, 3), by_row(f["sc"]), torch.zeros(T, G, 32, dtype=torch.uint8)]
+    elif qtype == MXFP4:
+        head = [by_row(f["e"])]  # [T, G, block, 16]: byte 16 b + r
     else:
         head = [by_row(f["d"]).transpose(2, 3)] + ([by_row(f["m"]).transpose(2, 3)] if qtype == Q5_1 else [])
     header = torch.cat([h.reshape(T, G, -1) for h in head], dim=-1)  # [T, G, hb]
@@ -209,7 +221,8 @@ def kq_mm_fast_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.T
     Per row and block b of 32: q, s = act_quant_ref(x); T = sum u q (exact; per half of 16 for Q6_K),
     S = sum q, sS = s * (float)S; then in k order (a = d sc and b = dmin m per sub-block, exact fp32):
     Q4_K, Q5_K: y = y + (float)T * (a * s); y = y - b * sS. Q5_0: y = y + (float)(T - 16 S) * (d * s).
-    Q5_1: y = y + (float)T * (d * s); y = y + m * sS. Q6_K: per half h, y = y + (float)(T_h - 32 S_h) * (a_h * s)."""
+    Q5_1: y = y + (float)T * (d * s); y = y + m * sS. Q6_K: per half h, y = y + (float)(T_h - 32 S_h) * (a_h * s).
+    MXFP4: y = y + (float)T * (a * s), T = sum KVM[u] q (the C kernels' sum (KVM[u] + 16) q - 16 S)."""
     M, K = x.shape
     f = kq_fields(blocks, qtype, K)
     N, group = blocks.shape[0], KQ_TYPES[qtype][0]
@@ -217,13 +230,17 @@ def kq_mm_fast_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.T
     B = K // BLOCK
     per = group // BLOCK
     u = f["u"].long()
+    if qtype == MXFP4:  # the codebook's signed codes
+        u = torch.tensor(KVALUES_MXFP4, dtype=torch.int64)[u]
     halves = 2 if qtype == Q6_K else 1
     n = BLOCK // halves
     qh = q.view(M, B * halves, n).long()
     T = torch.einsum("mbk,nbk->mnb", qh, u.view(N, B * halves, n))  # [M, N, B * halves]
     S = qh.sum(-1)  # [M, B * halves]
-    d = _f16(f["d"])  # [N, G]
-    if qtype in (Q4_K, Q5_K):
+    d = _f16(f["d"]) if "d" in f else None  # [N, G]
+    if qtype == MXFP4:
+        a = e8m0_half(f["e"]).reshape(N, B)  # [N, B]: 2^(e - 128) per block of 32
+    elif qtype in (Q4_K, Q5_K):
         sc, mn = _scale_min(f["scales"])  # [N, G, 8]
         a = (d[..., None] * sc.float()).reshape(N, B)  # [N, B]: per block of 32
         bm = (_f16(f["dmin"])[..., None] * mn.float()).reshape(N, B)
@@ -238,7 +255,9 @@ def kq_mm_fast_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.T
                 y = y + (T[:, :, i] - 32 * S[:, i:i + 1]).float() * (a[None, :, i] * sb)
             continue
         Sf = S[:, b:b + 1].float()
-        if qtype in (Q4_K, Q5_K):
+        if qtype == MXFP4:
+            y = y + T[:, :, b].float() * (a[None, :, b] * sb)
+        elif qtype in (Q4_K, Q5_K):
             y = y + T[:, :, b].float() * (a[None, :, b] * sb)
             y = y - bm[None, :, b] * (sb * Sf)
         elif qtype == Q5_0:

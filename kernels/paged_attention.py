@@ -78,13 +78,13 @@ def _load_dequant(c_ptr, s_ptr, m_ptr, rows, d, ok, BITS: tl.constexpr, D: tl.co
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, o_ptr, pos_ptr, cu_ptr, ctx_ptr, bt_ptr, rs_ptr,
+def _paged_attention_kernel(q_ptr, o_ptr, pos_ptr, cu_ptr, ctx_ptr, bt_ptr, rs_ptr, sink_ptr,
                             kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr,
                             stride_qm, stride_qh, stride_bt, H, HKV, PAGE, window, scale,
                             K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                             V_GROUP: tl.constexpr, D: tl.constexpr, QPK: tl.constexpr, QPK_P: tl.constexpr,
-                            SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_D: tl.constexpr):
+                            SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(2)
     q_start = tl.load(cu_ptr + seq)
@@ -137,6 +137,12 @@ def _paged_attention_kernel(q_ptr, o_ptr, pos_ptr, cu_ptr, ctx_ptr, bt_ptr, rs_p
         v = _load_dequant(vc_ptr, vs_ptr, vm_ptr, rows, d[None, :], kv_ok, V_BITS, D, V_GROUP)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
+    if HAS_SINKS:  # each query head's sink joins the max and the sum once, after every key; it adds no value
+        sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0)  # [R]
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (tok[:, None] * H + head[:, None]) * D + d[None, :], out,
              mask=row_ok[:, None] & d_ok[None, :])
@@ -285,11 +291,13 @@ def _paged_decode_split_kernel(q_ptr, acc_ptr, ml_ptr, pos_ptr, rs_ptr, ctx_ptr,
 
 
 @triton.jit
-def _paged_decode_merge_kernel(acc_ptr, ml_ptr, o_ptr, pos_ptr, rs_ptr, ctx_ptr, H, window,
+def _paged_decode_merge_kernel(acc_ptr, ml_ptr, o_ptr, pos_ptr, rs_ptr, ctx_ptr, sink_ptr, H, window,
                                SLIDING: tl.constexpr, KV_SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                               BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                               BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                               HAS_SINKS: tl.constexpr):
     """Stage 2: program (query row, query head) merges its n_splits partials in split order 0, 1, ...
-    (max first, then one weighted sum: the same additions in the same order in any batch) → o [D]."""
+    (max first, then one weighted sum: the same additions in the same order in any batch) → o [D]. The
+    head's sink, if any, joins the max and the sum here, once a row, whatever its number of splits."""
     tok = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(rs_ptr + tok)
@@ -299,6 +307,9 @@ def _paged_decode_merge_kernel(acc_ptr, ml_ptr, o_ptr, pos_ptr, rs_ptr, ctx_ptr,
     n_splits = _decode_span(tl.load(ctx_ptr + seq), qpos, window, SLIDING, KV_SPLIT, MAX_SPLITS, BLOCK_N)[4]
     row = (tok.to(tl.int64) * H + head) * MAX_SPLITS  # the first of this (query row, head)'s partials
     m = tl.full([], -1e30, tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + head)
+        m = tl.maximum(m, sink)  # a sink of -inf leaves m finite: its share below is then 0
     for i in range(0, n_splits):
         m = tl.maximum(m, tl.load(ml_ptr + (row + i) * 2))
     d = tl.arange(0, BLOCK_D)
@@ -308,6 +319,8 @@ def _paged_decode_merge_kernel(acc_ptr, ml_ptr, o_ptr, pos_ptr, rs_ptr, ctx_ptr,
         w = tl.exp(tl.load(ml_ptr + (row + i) * 2) - m)
         l_sum += w * tl.load(ml_ptr + (row + i) * 2 + 1)
         acc += w * tl.load(acc_ptr + (row + i) * D + d, mask=d < D, other=0.0)
+    if HAS_SINKS:
+        l_sum += tl.exp(sink - m)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)  # l = 0 (no key visible): 0, as the prefill kernel gives
     tl.store(o_ptr + (tok.to(tl.int64) * H + head) * D + d, out, mask=d < D)
 
@@ -372,7 +385,7 @@ def paged_attention(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_le
                     max_query_len: int | None = None, block_m: int | None = None,
                     block_n: int | None = None, kv_split: int | None = None,
                     max_splits: int | None = None, split_rows: torch.Tensor | None = None,
-                    alone: torch.Tensor | None = None) -> torch.Tensor:
+                    alone: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [M, H, D] fp16/bf16/fp32 (rotated like the keys; last dim contiguous) attending over one
     layer's keys and values in the pool (runtime/engine/kv_cache.py's `KVPool.side`) → fp32 [M, H, D],
     still rotated.
@@ -392,6 +405,8 @@ def paged_attention(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_le
     max_query_len 1 skips; then there is no host read, and the launch can be captured in a CUDA graph.
     alone int64 [R]: the rows split_rows marks, if the caller knows them (`split_rows()` gives both):
     with max_query_len > 1 the split-KV kernels then run over those R rows only.
+    sinks fp32 [H] (gpt-oss's attention sinks: a logit per query head in every row's softmax, with no
+    value) or None.
     block_m / block_n / kv_split / max_splits override the tile and the split (tests)."""
     if q.dim() != 3 or q.dtype not in _FLOATS or (q.shape[2] > 1 and q.stride(2) != 1):
         raise ValueError(f"paged_attention: q must be fp16/bf16/fp32 [M, H, D] with a contiguous last dim, "
@@ -405,8 +420,10 @@ def paged_attention(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_le
     S = _check_batch(q, cu_query_lens, context_lens, positions, block_tables)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"paged_attention: sliding_window must be >= 1 or None, got {sliding_window}")
+    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (H,) or not sinks.is_contiguous()):
+        raise ValueError(f"paged_attention: sinks must be contiguous fp32 [{H}], got {sinks.dtype} {tuple(sinks.shape)}")
     tensors = (q, cu_query_lens, context_lens, positions, block_tables, *k_side.tensors().values(),
-               *v_side.tensors().values())
+               *v_side.tensors().values(), *(() if sinks is None else (sinks,)))
     check_device(*tensors)
     if any(t.device != q.device for t in tensors):
         raise ValueError("paged_attention: q, the batch tensors and the pool must be on one device")
@@ -423,8 +440,9 @@ def paged_attention(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_le
     elif split_rows.dtype != torch.int32 or tuple(split_rows.shape) != (M,) or split_rows.device != q.device:
         raise ValueError(f"paged_attention: split_rows must be int32 [{M}] on {q.device}, got {split_rows.dtype} "
                          f"{tuple(split_rows.shape)}")
+    sink_ptr = out if sinks is None else sinks  # without sinks: a pointer the kernels never read (HAS_SINKS off)
     decode = (k_side, v_side, context_lens, block_tables, page_size, sliding_window, scale, block_n, kv_split,
-              max_splits)
+              max_splits, sinks, sink_ptr)
     if max_query_len == 1 or alone is None:
         _decode(q, out, split_rows, positions, *decode)
     elif alone.numel():  # a mixed step: the alone rows gathered, attended, put back
@@ -439,12 +457,12 @@ def paged_attention(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_le
     block_n = block_n or 32
     grid = (S, triton.cdiv(max(max_query_len, 1), block_m), Hkv)
     _paged_attention_kernel[grid](
-        q, out, positions, cu_query_lens, context_lens, block_tables, split_rows,
+        q, out, positions, cu_query_lens, context_lens, block_tables, split_rows, sink_ptr,
         *k_side.kernel_tensors(), *v_side.kernel_tensors(),
         q.stride(0), q.stride(1), block_tables.stride(0), H, Hkv, page_size,
         sliding_window or 0, scale,
         K_BITS=k_side.bits, V_BITS=v_side.bits, K_GROUP=k_group, V_GROUP=v_group, D=D, QPK=qpk, QPK_P=qpk_p,
-        SLIDING=sliding_window is not None,
+        SLIDING=sliding_window is not None, HAS_SINKS=sinks is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
         **({} if interpreting() else {"num_warps": 4 if block_m * qpk_p <= 16 else 8}))
     return out
@@ -452,10 +470,10 @@ def paged_attention(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_le
 
 def decode_constexprs(D: int, qpk: int, k_bits: int, k_group: int, v_bits: int, v_group: int, sliding: bool,
                       block_n: int | None = None, kv_split: int | None = None,
-                      max_splits: int | None = None) -> tuple[dict, dict]:
+                      max_splits: int | None = None, sinks: bool = False) -> tuple[dict, dict]:
     """The decode kernels' compile-time constants (stage 1's, the merge's) for one layer's shapes: what
     the launcher passes, and what a test compiles ahead for a GPU target. Groups are the sides'
-    (D for a float side)."""
+    (D for a float side); sinks: whether the merge adds attention sinks."""
     block_n = block_n or DECODE_BLOCK_N
     kv_split = kv_split or DECODE_KV_SPLIT
     max_splits = max_splits or DECODE_MAX_SPLITS
@@ -466,11 +484,11 @@ def decode_constexprs(D: int, qpk: int, k_bits: int, k_group: int, v_bits: int, 
     split = dict(SLIDING=sliding, KV_SPLIT=kv_split, MAX_SPLITS=max_splits, BLOCK_N=block_n)
     stage1 = dict(K_BITS=k_bits, V_BITS=v_bits, K_GROUP=k_group, V_GROUP=v_group, D=D, QPK=qpk, QPK_P=np2(qpk),
                   GK_P=np2(D // k_group), KG_P=np2(k_group), GV_P=np2(D // v_group), VG_P=np2(v_group), **split)
-    return stage1, dict(**split, D=D, BLOCK_D=np2(D))
+    return stage1, dict(**split, D=D, BLOCK_D=np2(D), HAS_SINKS=sinks)
 
 
 def _decode(q, out, split_rows, positions, k_side, v_side, context_lens, block_tables, page_size,
-            sliding_window, scale, block_n, kv_split, max_splits) -> None:
+            sliding_window, scale, block_n, kv_split, max_splits, sinks, sink_ptr) -> None:
     """paged_attention for the rows that attend alone (split_rows >= 0): split-KV stage 1 into an
     fp32 workspace, then the merge into out. The grid and the workspace depend on shapes and
     constants only, never on the batch's values: no host read, and a CUDA graph can capture the
@@ -479,7 +497,7 @@ def _decode(q, out, split_rows, positions, k_side, v_side, context_lens, block_t
     Hkv = k_side.n_kv_heads
     k_group, v_group = (D if s.bits >= 16 else s.group for s in (k_side, v_side))
     stage1, stage2 = decode_constexprs(D, H // Hkv, k_side.bits, k_group, v_side.bits, v_group,
-                                       sliding_window is not None, block_n, kv_split, max_splits)
+                                       sliding_window is not None, block_n, kv_split, max_splits, sinks is not None)
     n = stage1["MAX_SPLITS"]
     acc = torch.empty((M, H, n, D), dtype=torch.float32, device=q.device)  # unnormalized P @ V of each split
     ml = torch.empty((M, H, n, 2), dtype=torch.float32, device=q.device)  # (running max, sum of p) of each split
@@ -489,15 +507,16 @@ def _decode(q, out, split_rows, positions, k_side, v_side, context_lens, block_t
         q.stride(0), q.stride(1), block_tables.stride(0), H, Hkv, page_size, sliding_window or 0, scale,
         **stage1, **({} if interpreting() else {"num_warps": DECODE_WARPS}))
     _paged_decode_merge_kernel[(M, H)](
-        acc, ml, out, positions, split_rows, context_lens, H, sliding_window or 0,
+        acc, ml, out, positions, split_rows, context_lens, sink_ptr, H, sliding_window or 0,
         **stage2, **({} if interpreting() else {"num_warps": MERGE_WARPS}))
 
 def paged_attention_ref(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_query_lens: torch.Tensor,
                         context_lens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                         page_size: int, sliding_window: int | None = None, scale: float | None = None,
-                        **_launch) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None, **_launch) -> torch.Tensor:
     """The spec, in fp32: per sequence, gather its pages, dequantize, masked softmax attention —
-    models/attention.py's PagedAttention without the rotation. Groups come from the buffers' shapes."""
+    models/attention.py's PagedAttention without the rotation. Groups come from the buffers' shapes.
+    sinks [H]: one more logit per query head in every row's softmax, whose probability is then dropped."""
     M, H, D = q.shape
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     out = torch.empty((M, H, D), dtype=torch.float32, device=q.device)
@@ -518,6 +537,11 @@ def paged_attention_ref(q: torch.Tensor, k_side: KVSide, v_side: KVSide, cu_quer
         see = j[None, :] <= pos[:, None]  # [n, ctx]
         if sliding_window is not None:
             see &= j[None, :] > pos[:, None] - sliding_window
-        p = scores.masked_fill(~see, float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(~see, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(H, b - a, 1)  # [H, n, 1]
+            p = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            p = scores.softmax(dim=-1)
         out[a:b] = (p @ kv[1]).transpose(0, 1)  # [n, H, D]
     return out

@@ -11,6 +11,7 @@ on it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ class PagedBatch:
     # decode step (runtime/engine/cuda_graphs.py) passes its static buffers: a replay sees no list, so
     # context_lens and block_tables are then empty and query_lens (all 1) is fixed per graph
     kernel_tensors: tuple | None = None
+    # per sequence: its slot in the recurrent-state pool (hybrid models' DeltaNet layers: models/deltanet.py,
+    # runtime/engine/state_cache.py); None for a model without recurrent layers
+    state_slots: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -70,12 +74,19 @@ class PagedAttention:
     kernels kernels/kv_write.py and kernels/paged_attention.py quantize in-kernel and read the
     quantized pages directly, working in the rotated space (q rotated, output rotated back)."""
 
-    def __init__(self, pool, batch: PagedBatch, windows: list[int | None] | int | None, backend):
+    def __init__(self, pool, batch: PagedBatch, windows: list[int | None] | int | None, backend,
+                 sinks: list[torch.Tensor | None] | None = None):
         """windows: each layer's sliding window (None: the layer sees every earlier key), or one for
         all. backend: the model's (models/backend.py): its Triton kernels when `fused_paged_attention`,
-        else its C kernels (`native`) where it has them."""
+        else its C kernels (`native`) where it has them. sinks: each layer's attention sinks (gpt-oss: a
+        learned logit per query head that joins every row's softmax and carries no value), contiguous fp32
+        [H] on the model's device, or None for a layer without them; None: no layer has them (the
+        attention of every path is then exactly what it is without this argument)."""
         self.pool, self.batch = pool, batch
         self.windows = windows if isinstance(windows, list) else [windows] * pool.n_layers
+        self.sinks = [None] * pool.n_layers if sinks is None else list(sinks)
+        if len(self.sinks) != pool.n_layers:
+            raise ValueError(f"PagedAttention: {len(self.sinks)} layers of sinks for a pool of {pool.n_layers}")
         self.fused, self.kernels = backend.fused_paged_attention, backend.native
         # both sides rotated (k8v4, k4v4): attend in the rotated space, as the CUDA kernels do —
         # q·k and p·v are unchanged by an orthonormal rotation, and rotating q and the output costs
@@ -132,7 +143,11 @@ class PagedAttention:
 
     def run_layers(self, layers, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Every block of the step in one C call over the pool (kernels/cpu_block.py FusedLayers):
-        quantize-on-write and paged attention per layer, as `__call__` does them."""
+        quantize-on-write and paged attention per layer, as `__call__` does them. The blocks' descriptors
+        carry their sinks (kernels/cpu_block.py fused_block): they must be the tensors this step was given."""
+        if any(a is not b for a, b in zip(layers.sinks, self.sinks)):
+            raise ValueError("PagedAttention.run_layers: the fused blocks' sinks are not this step's (pass the "
+                             "same tensor per layer to fused_block and PagedAttention)")
         pool = self.pool
         k_sides = [pool.side(layer, "k") for layer in range(pool.n_layers)]
         v_sides = [pool.side(layer, "v") for layer in range(pool.n_layers)]
@@ -143,14 +158,14 @@ class PagedAttention:
         """q [M, H, D], k/v [M, Hkv, D] → fp32 [M, H*D]."""
         if self.fused:
             return self._fused(layer, q, k, v)
-        b, pool, window = self.batch, self.pool, self.windows[layer]
+        b, pool, window, sinks = self.batch, self.pool, self.windows[layer], self.sinks[layer]
         pool.write(layer, k, v, b.slots, self.kernels)
         M, H, D = q.shape
         out = torch.empty(M, H, D, dtype=torch.float32, device=q.device)
         if self.c_rows is not None:
             attended = self.native.paged_decode_attention(
                 q[self.c_rows].float(), *self.c_args, pool.page_size, pool.side(layer, "k"), pool.side(layer, "v"),
-                self.rot, window)
+                self.rot, window, sinks)
             if isinstance(self.c_rows, slice):
                 return attended.view(M, H * D)
             out[self.c_rows] = attended
@@ -166,9 +181,10 @@ class PagedAttention:
                     for j in range(n):
                         c = ctx - n + j + 1  # keys up to and including this token
                         out[row + j] = self._attend(q[row + j:row + j + 1], keys[:, :c], values[:, :c],
-                                                    b.positions[row + j:row + j + 1], window)[0]
+                                                    b.positions[row + j:row + j + 1], window, sinks)[0]
                 else:
-                    out[row:row + n] = self._attend(q[row:row + n], keys, values, b.positions[row:row + n], window)
+                    out[row:row + n] = self._attend(q[row:row + n], keys, values, b.positions[row:row + n], window,
+                                                    sinks)
         return out.reshape(M, H * D)
 
     def _read(self, layer: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -183,14 +199,16 @@ class PagedAttention:
                 for ks, vs, i in zip(k.split(sizes), v.split(sizes), seqs)]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
-                window: int | None) -> torch.Tensor:
+                window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence's queries q [n, H, D] over its (rotated, if self.rot) keys/values → [n, H, D].
-        The rotation is per sequence, so a row never depends on what else is in the batch."""
+        The rotation is per sequence, so a row never depends on what else is in the batch. A sink scales
+        each (row, head) output by a scalar, which the rotation back leaves as it is."""
         rot = self.rot
+        sdpa = self._sdpa if sinks is None else partial(_sdpa_with_sinks, sinks=sinks)
         if rot is None:
-            return self._sdpa(q, keys, values, pos, window)
+            return sdpa(q, keys, values, pos, window)
         n, H, D = q.shape
-        o = self._sdpa((q.float().reshape(n * H, D) @ rot).view(n, H, D), keys, values, pos, window)
+        o = sdpa((q.float().reshape(n * H, D) @ rot).view(n, H, D), keys, values, pos, window)
         return (o.reshape(n * H, D) @ rot.T).view(n, H, D)
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
@@ -223,7 +241,33 @@ class PagedAttention:
         cu, ctx, tables, by_row, alone = self.tensors
         out = paged_attention(q.float() @ rot if rotated else q, k_side, v_side, cu, ctx, b.positions, tables,
                               pool.page_size, sliding_window=self.windows[layer], max_query_len=max(b.query_lens),
-                              split_rows=by_row, alone=alone)  # fp32 [M, H, D]
+                              split_rows=by_row, alone=alone, sinks=self.sinks[layer])  # fp32 [M, H, D]
         if rotated:
             out = out @ rot.T
         return out.reshape(q.shape[0], -1)
+
+
+def _sdpa_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                     window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """PagedAttention._sdpa with attention sinks fp32 [H]: q [n, H, D] at positions pos [n]; keys/values
+    [Hkv, ctx, D] → [n, H, D], each row out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)).
+
+    SDPA takes no sink, but its CPU flash kernel (the one the 4-D calls of `_sdpa` take) also returns
+    each row's L = logsumexp_j s_j, which the public call drops; with it the sink's share is exact:
+    out = o * e^L / (e^sink + e^L) = o * sigmoid(L - sink), o the output without the sink — and o is
+    SDPA's own, bit for bit, so a sink of -inf gives `_sdpa`'s rows. No [H, n, ctx] score matrix is
+    formed (a 2048-token chunk at 64 heads would be 1 GB of fp32). The same mask rule as `_sdpa`, as an
+    additive fp32 mask (the op takes no bool one)."""
+    n, ctx = q.shape[0], keys.shape[1]
+    mask = None
+    if n > 1 or (window is not None and ctx > window):
+        k_pos = torch.arange(ctx, device=q.device)
+        see = k_pos[None, :] <= pos[:, None]  # [n, ctx]
+        if window is not None:
+            see &= k_pos[None, :] > pos[:, None] - window
+        mask = torch.zeros(n, ctx, device=q.device).masked_fill_(~see, float("-inf"))
+    qs = q.float().transpose(0, 1)[None]  # [1, H, n, D]
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, keys[None], values[None],
+                                                                         attn_mask=mask)  # [1, H, n, D], [1, H, n]
+    o = o * torch.sigmoid(lse - sinks.float()[None, :, None])[..., None]
+    return o[0].transpose(0, 1)  # [n, H, D]

@@ -6,6 +6,7 @@ model never reads files: callers pass the parsed dict in.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -29,8 +30,37 @@ class RopeScaling:
     short_factor: tuple[float, ...] | None = None  # longrope: per-frequency divisors within the original context
 
 
+# gpt-oss's (alpha, limit): llama.cpp fixes them per architecture, as its GGUF carries neither
+SWIGLU_CLAMP = (1.702, 7.0)
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """A Gated DeltaNet layer's shapes (Qwen3.5-4B: 16 key heads, 32 value heads, both 128 wide, 4 conv taps:
+    a state of 32 x 128 x 128 fp32 = 2 MiB a layer and sequence, plus a conv state of 3 x 8192 values)."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_taps: int
+    # the order of the value heads: grouped by key head (HF: value head j reads key head j // (Hv / Hk)) or tiled
+    # (llama.cpp's converter reorders them so that value head j reads key head j % Hk)
+    v_tiled: bool = False
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels through the conv: q, k and v side by side."""
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    @property
+    def state_floats(self) -> int:
+        """fp32 values of one sequence's state in one layer: the recurrence's [Hv, Dk, Dv] and the conv's [C, K - 1]."""
+        return self.v_heads * self.k_dim * self.v_dim + self.conv_dim * (self.conv_taps - 1)
 
 
 @dataclass(frozen=True)
@@ -59,10 +89,25 @@ class LlamaConfig:
     rotary_dim: int | None = None  # dims of a head that rotate (Phi-4-mini: 3/4 of them); None = all
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-1/2)
     attn_temperature: tuple[float, int] | None = None  # (beta, original context): Ministral 3's query scaling
+    # mixture of experts (models/moe.py; the family's `experts` says how tokens are routed): every layer's MLP is
+    # n_experts gated MLPs of expert_hidden_dim columns, each token through n_experts_used of them
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_hidden_dim: int = 0
+    norm_topk: bool = True  # the k chosen weights renormalised to sum 1 (Qwen3-MoE's norm_topk_prob)
+    swiglu_clamp: tuple[float, float] | None = None  # (alpha, limit) of gpt-oss's clamped SwiGLU
+    # hybrid (the family's `recurrent`, Qwen3.5): per layer whether it is a Gated DeltaNet layer (models/deltanet.py)
+    # in place of attention; None = every layer attends. Only the other layers hold KV pages
+    recurrent_layers: tuple[bool, ...] | None = None
+    deltanet: DeltaNetShape | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if bool(self.family.experts) != (self.n_experts > 0):
+            raise ValueError(f"{self.arch}: expected {'an expert count' if self.family.experts else 'no experts'}")
+        if self.n_experts and not 0 < self.n_experts_used <= self.n_experts:
+            raise ValueError(f"{self.arch}: {self.n_experts_used} experts used per token out of {self.n_experts}")
 
     @property
     def family(self) -> Family:
@@ -77,13 +122,50 @@ class LlamaConfig:
     def rope_of(self, layer: int) -> str:
         return "global" if self.rope_layers is None else self.rope_layers[layer]
 
+    def is_recurrent(self, layer: int) -> bool:
+        return self.recurrent_layers is not None and self.recurrent_layers[layer]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that attend (and hold KV pages), in order: a layer's index among them is its KV layer."""
+        return [i for i in range(self.n_layers) if not self.is_recurrent(i)]
+
+    @property
+    def n_kv_layers(self) -> int:
+        return len(self.attention_layers)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state over all DeltaNet layers (0 for a model without them):
+        Qwen3.5-4B's 24 of 32 layers hold 24 x (2 MiB + 96 KiB) = 50.25 MiB, whatever the context."""
+        return 4 * self.deltanet.state_floats * (self.n_layers - self.n_kv_layers) if self.deltanet else 0
+
     @property
     def fused_decode(self) -> bool:
         """Whether every block is one the fused C kernels compute (kernels/cpu_block.c): the Llama block with
         any of q/k norms, Gemma's four norms and GeGLU, a rotary table per layer (local, global, none;
         partial rotary is a table too) and a window per layer — everything but a softmax scale other
         than 1/sqrt(D) and Ministral's per-position query temperature, which run op by op."""
-        return self.attn_scale is None and self.attn_temperature is None
+        return self.attn_scale is None and self.attn_temperature is None and not self.n_experts \
+            and self.recurrent_layers is None and not self.family.gated_attention
+
+    def parameters(self) -> tuple[int, int]:
+        """(total, active): the weights the model has, and those one token multiplies — a mixture of
+        experts counts its k chosen experts of E (Qwen3-30B-A3B: 30.5B and 3.3B), the embedding table its
+        one row unless it is also the LM head."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = self.dim * (q + 2 * kv) + q * self.dim + 2 * self.dim + (q + 2 * kv if self.qkv_bias else 0)
+        attn += 2 * self.head_dim if self.family.qk_norm else 0
+        attn += 2 * self.dim if self.family.sandwich_norms else 0
+        if self.n_experts:
+            expert = 3 * self.dim * self.expert_hidden_dim
+            mlp, mlp_active = self.n_experts * (expert + self.dim), self.n_experts_used * expert + self.n_experts * self.dim
+        else:
+            mlp = mlp_active = 3 * self.dim * self.hidden_dim
+        table = self.vocab_size * self.dim
+        total = table * (1 if self.tie_embeddings else 2) + self.n_layers * (attn + mlp) + self.dim
+        active = (table if self.tie_embeddings else table + self.dim) + self.n_layers * (attn + mlp_active) + self.dim
+        return total, active
 
     def variants(self) -> list[str]:
         """The block's variant switches in words (`lowbit info`), empty for a plain Llama block."""
@@ -93,6 +175,15 @@ class LlamaConfig:
         out += ["norms after attention and MLP"] if f.sandwich_norms else []
         out += ["GeGLU"] if f.activation == "gelu_tanh" else []
         out += ["embeddings x sqrt(dim)"] if f.embed_scale else []
+        if self.n_experts:
+            out.append(f"{self.n_experts} experts of {self.expert_hidden_dim} columns, {self.n_experts_used} "
+                       f"per token ({f.experts} router{', renormalised' if self.norm_topk else ''})")
+        if self.deltanet is not None:
+            d = self.deltanet
+            out.append(f"Gated DeltaNet on {self.n_layers - self.n_kv_layers} of {self.n_layers} layers ({d.k_heads}/"
+                       f"{d.v_heads} heads of {d.k_dim}/{d.v_dim}, conv {d.conv_taps})")
+        if self.family.gated_attention:
+            out.append("attention output gated")
         if self.attn_scale is not None:
             out.append(f"attention scale {self.attn_scale:.4g}")
         if self.rotary_dim is not None:
@@ -126,7 +217,8 @@ class LlamaConfig:
             return v
 
         dim, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
-        n_layers = int(get("block_count"))
+        # multi-token prediction layers the converter appends (Qwen3.5: nextn_predict_layers 1): not run here
+        n_layers = int(get("block_count")) - int(meta.get(f"{arch}.nextn_predict_layers") or 0)
         head_dim = int(meta.get(f"{arch}.attention.key_length") or dim // n_heads)
         rotary = meta.get(f"{arch}.rope.dimension_count")
         ctx = int(get("context_length", 4096))
@@ -136,27 +228,37 @@ class LlamaConfig:
         window_layers = rope_layers = local_theta = attn_scale = temperature = None
         if fam.swa_every and window:  # llama.cpp fixes the pattern per architecture (gemma3: 5 local, 1 global)
             window_layers = tuple((i + 1) % fam.swa_every != 0 for i in range(n_layers))
+        if fam.local_rope and window_layers:
             rope_layers = tuple("local" if w else "global" for w in window_layers)
             local_theta = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+        if fam.sinks and scaling is not None and scaling.kind == "yarn":
+            # gpt-oss's YaRN ramp is not truncated to whole dims (config.json truncate: false; transformers
+            # and OpenAI's reference); the file carries no key for it
+            scaling = dataclasses.replace(scaling, truncate=False)
         if fam.nope_every:
             rope_layers = tuple("none" if (i + 1) % fam.nope_every == 0 else "global" for i in range(n_layers))
         if fam.name == "gemma3":
             # llama.cpp's rule (gemma3.cpp): the file carries no query_pre_attn_scalar; 27B (62 layers)
             # scales by dim / heads, the others by head_dim, which is 1/sqrt(head_dim) unless 62 layers
             attn_scale = 1 / math.sqrt(dim // n_heads) if n_layers == 62 else None
+        n_experts = int(meta.get(f"{arch}.expert_count") or 0) if fam.experts else 0
         beta = meta.get(f"{arch}.attention.temperature_scale")
         if fam.attn_temperature and beta:
             temperature = (float(beta), int(scaling.original_max_position if scaling else ctx))
         return cls(
             arch=fam.name, dim=dim, n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
-            hidden_dim=int(get("feed_forward_length")), vocab_size=vocab_size,
+            hidden_dim=int(meta.get(f"{arch}.feed_forward_length") or 0) if fam.experts else int(get("feed_forward_length")),
+            vocab_size=vocab_size,
             norm_eps=float(get("attention.layer_norm_rms_epsilon")),
             rope_theta=float(get("rope.freq_base", 10000.0)), max_seq_len=ctx,
             tie_embeddings=tie_embeddings, qkv_bias=fam.qkv_bias, sliding_window=window, rope_scaling=scaling,
             window_layers=window_layers, rope_layers=rope_layers, rope_local_theta=local_theta,
             rotary_dim=int(rotary) if rotary and int(rotary) != head_dim else None, attn_scale=attn_scale,
-            attn_temperature=temperature,
+            attn_temperature=temperature, n_experts=n_experts, **_gguf_deltanet(meta, arch, fam, n_layers),
+            n_experts_used=int(get("expert_used_count")) if n_experts else 0,
+            expert_hidden_dim=int(get("expert_feed_forward_length")) if n_experts else 0,
+            swiglu_clamp=SWIGLU_CLAMP if fam.activation == "swiglu_clamped" else None,
         )
 
     @classmethod
@@ -175,6 +277,10 @@ class LlamaConfig:
                 raise ValueError(f"{fam.name}: {key} is not supported")
         if cfg.get("mlp_bias"):
             raise ValueError(f"{fam.name}: mlp_bias is not supported")
+        n_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if fam.experts else 0
+        if n_experts and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1):
+            raise ValueError(f"{fam.name}: dense MLP layers among the expert layers (mlp_only_layers, "
+                             "decoder_sparse_step) are not supported")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         by_type = isinstance(rope.get("full_attention"), Mapping)  # Gemma 3: one set per layer type
         main = rope.get("full_attention", {}) if by_type else rope
@@ -215,13 +321,20 @@ class LlamaConfig:
         return cls(
             arch=fam.name, dim=dim, n_layers=n_layers,
             n_heads=n_heads, n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), head_dim=head_dim,
-            hidden_dim=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+            hidden_dim=int(cfg.get("intermediate_size") or 0) if n_experts else int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, max_seq_len=max_pos,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=fam.qkv_bias or bool(cfg.get("attention_bias", False)),
             sliding_window=int(sliding) if sliding else None, rope_scaling=scaling,
             window_layers=window_layers, rope_layers=rope_layers, rope_local_theta=local_theta,
             rotary_dim=rotary if rotary != head_dim else None, attn_scale=attn_scale, attn_temperature=temperature,
+            **_hf_deltanet(cfg, fam, n_layers),
+            n_experts=n_experts, n_experts_used=int(cfg["num_experts_per_tok"]) if n_experts else 0,
+            expert_hidden_dim=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")) if n_experts else 0,
+            norm_topk=bool(cfg.get("norm_topk_prob", True)),
+            swiglu_clamp=(float(cfg.get("swiglu_alpha", SWIGLU_CLAMP[0])), float(cfg.get("swiglu_limit", SWIGLU_CLAMP[1])))
+            if fam.activation == "swiglu_clamped" else None,
         )
 
 
@@ -283,3 +396,39 @@ def _gguf_rope_scaling(meta: Mapping[str, Any], arch: str, get) -> RopeScaling |
                            original_max_position=int(meta.get(f"{arch}.rope.scaling.original_context_length") or 0))
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, yarn, longrope; "
                      "llama3 via rope_freqs)")
+
+
+def _gguf_deltanet(meta: Mapping[str, Any], arch: str, fam: Family, n_layers: int) -> dict:
+    """A hybrid family's recurrent layers and DeltaNet shapes from llama.cpp's keys (conversion/qwen.py writes
+    ssm.state_size = key head dim, group_count = key heads, time_step_rank = value heads, inner_size = value
+    heads x value head dim, attention.recurrent_layers per block; older files only full_attention_interval)."""
+    if not fam.recurrent:
+        return {}
+    flags = meta.get(f"{arch}.attention.recurrent_layers")
+    if flags is not None:
+        layers = tuple(bool(x) for x in list(flags)[:n_layers])
+    else:
+        every = int(meta.get(f"{arch}.full_attention_interval") or 4)
+        layers = tuple((i + 1) % every != 0 for i in range(n_layers))
+    key = lambda k: meta.get(f"{arch}.ssm.{k}")  # noqa: E731
+    for k in ("state_size", "group_count", "time_step_rank", "inner_size", "conv_kernel"):
+        if key(k) is None:
+            raise ValueError(f"{fam.name}: missing metadata key {arch}.ssm.{k}")
+    v_heads = int(key("time_step_rank"))
+    return {"recurrent_layers": layers, "deltanet": DeltaNetShape(
+        int(key("group_count")), v_heads, int(key("state_size")), int(key("inner_size")) // v_heads,
+        int(key("conv_kernel")), v_tiled=True)}
+
+
+def _hf_deltanet(cfg: Mapping[str, Any], fam: Family, n_layers: int) -> dict:
+    """config.json's layer_types ("linear_attention" | "full_attention"; else every full_attention_interval-th
+    layer full) and linear_* shapes."""
+    if not fam.recurrent:
+        return {}
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
+    return {"recurrent_layers": tuple(t == "linear_attention" for t in types), "deltanet": DeltaNetShape(
+        int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"]), int(cfg["linear_key_head_dim"]),
+        int(cfg["linear_value_head_dim"]), int(cfg.get("linear_conv_kernel_dim") or 4))}

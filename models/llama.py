@@ -26,14 +26,18 @@ are all-reduced, the embedding rows are summed over ranks and the logits gathere
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from torch import nn
 
 from lowbit.kernels.cpu_block import FusedLayers
+from lowbit.kernels.swiglu_clamped import swiglu_clamped_ref
 from lowbit.models.attention import PagedAttention, PagedBatch
 from lowbit.models.backend import Backend, torch_backend
 from lowbit.models.config import LlamaConfig
+from lowbit.models.deltanet import GatedDeltaNet
+from lowbit.models.moe import Experts
 from lowbit.models.rope import inv_frequencies, rope_tables
 from lowbit.models.sharding import TPGroup
 from lowbit.quant.linear import ExactRows, QuantEmbedding, QuantLinear, all_fast, fuse_rows
@@ -80,25 +84,39 @@ class Block(nn.Module):
         self.register_buffer("attn_norm", vec("attn_norm"), persistent=False)
         self.register_buffer("ffn_norm", vec("ffn_norm"), persistent=False)
         # the family's variants (models/families.py); None where the block has no such norm
-        for name, there in (("q_norm", fam.qk_norm), ("k_norm", fam.qk_norm),  # [head_dim], over each head
-                            ("attn_post_norm", fam.sandwich_norms), ("ffn_post_norm", fam.sandwich_norms)):  # [dim]
+        recurrent = c.is_recurrent(layer)  # q/k norms: [head_dim], over each head; sandwich norms: [dim]
+        for name, there in (("q_norm", fam.qk_norm and not recurrent), ("k_norm", fam.qk_norm and not recurrent),
+                            ("attn_post_norm", fam.sandwich_norms), ("ffn_post_norm", fam.sandwich_norms)):
             self.register_buffer(name, vec(name) if there else None, persistent=False)
-        self.act = backend.silu_mul if fam.activation == "silu" else backend.gelu_tanh_mul
+        self.act = {"silu": backend.silu_mul, "gelu_tanh": backend.gelu_tanh_mul}.get(fam.activation) or \
+            partial(swiglu_clamped_ref, alpha=c.swiglu_clamp[0], limit=c.swiglu_clamp[1])  # gpt-oss
+        # gpt-oss: each head's learned logit in its softmax (models/attention.py), fp32 [H]
+        self.register_buffer("sinks", vec("sinks") if fam.sinks and not recurrent else None, persistent=False)
         self.rope, self.rope_index = c.rope_of(layer), rope_index  # "global" | "local" | "none" (identity)
         self.window = c.window_of(layer)
         # q times this before attention, so that the kernels' 1/sqrt(D) makes it the family's scale
         self.q_scale = None if c.attn_scale is None else c.attn_scale * math.sqrt(c.head_dim)
-        self.qkv = Projections([w[prefix + n] for n in ("wq", "wk", "wv")],
-                               [w.get(prefix + n) for n in ("bq", "bk", "bv")], backend)
-        self.wo = QuantLinear(w[prefix + "wo"], backend.linear)
-        self.gate_up = Projections([w[prefix + "w_gate"], w[prefix + "w_up"]], [None, None], backend)
-        self.w_down = QuantLinear(w[prefix + "w_down"], backend.linear)
+        self.kv_layer = None if recurrent else c.attention_layers.index(layer)  # its layer in the KV pool
+        self.deltanet = None  # a hybrid model's recurrent layer: Gated DeltaNet instead of attention
+        if recurrent:
+            self.deltanet = GatedDeltaNet(c, w, prefix, backend, Projections, c.recurrent_layers[:layer].count(True))
+        else:  # Qwen3.5's output gate (wq_gate: [H * D, dim]) is one more projection of the same input
+            names = ("wq", "wk", "wv", "wq_gate") if fam.gated_attention else ("wq", "wk", "wv")
+            self.qkv = Projections([w[prefix + n] for n in names], [w.get(prefix + "b" + n[1:]) for n in names],
+                                   backend)
+            self.wo = QuantLinear(w[prefix + "wo"], backend.linear, w.get(prefix + "bo"))  # bias: gpt-oss
+        if c.n_experts:  # a mixture of experts in place of the one MLP (models/moe.py)
+            self.moe = Experts(c, w, prefix, backend, Projections, self.act)
+        else:
+            self.moe = None
+            self.gate_up = Projections([w[prefix + "w_gate"], w[prefix + "w_up"]], [None, None], backend)
+            self.w_down = QuantLinear(w[prefix + "w_down"], backend.linear)
         self.fused = self._fused_block(backend) if c.fused_decode else None
 
     def _fused_block(self, backend: Backend):
         """The backend's two-call form of this block (CPU decode), when its weights allow one (not
         under tensor parallelism: the all-reduce falls between its O projection and the residual)."""
-        if self.tp is not None or backend.fused_block is None or len(self.qkv.parts) != 1 \
+        if self.tp is not None or backend.fused_block is None or self.moe is not None or len(self.qkv.parts) != 1 \
                 or len(self.gate_up.parts) != 1:
             return None
         c = self.c
@@ -109,6 +127,25 @@ class Block(nn.Module):
                                    None if self.q_norm is None else (self.q_norm, self.k_norm),
                                    None if self.attn_post_norm is None else (self.attn_post_norm, self.ffn_post_norm),
                                    c.family.activation == "gelu_tanh", self.rope_index, self.window)
+
+    def _attention(self, h, ropes: dict, attend, exact, dtype: torch.dtype, q_temp) -> torch.Tensor:
+        """The normed residual h [M, dim] → wo(attention over the paged K/V) [M, dim], op by op."""
+        c, ops = self.c, self.ops
+        M = h.shape[0]
+        q, k, v, *gate = self.qkv(h, exact)  # gate: [M, H*D] where the family gates attention's output
+        q, k = q.reshape(M, c.n_heads, c.head_dim), k.reshape(M, c.n_kv_heads, c.head_dim)
+        if self.q_norm is not None:  # each head normed on its own: [M * heads, D] rows
+            q = ops.add_rms_norm(q.reshape(-1, c.head_dim), None, self.q_norm, c.norm_eps, dtype)[0].view_as(q)
+            k = ops.add_rms_norm(k.reshape(-1, c.head_dim), None, self.k_norm, c.norm_eps, dtype)[0].view_as(k)
+        q, k = ops.rotary(q, k, *ropes[self.rope])  # "none": the identity table (cos 1, sin 0), as fused
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        if q_temp is not None:
+            q = q * q_temp.to(q.dtype)
+        attn = attend(self.kv_layer, q, k, v.view(M, c.n_kv_heads, c.head_dim))  # fp32 [M, H*D]
+        if gate:  # Qwen3.5: each head's output times sigmoid of its gate, in fp32 as transformers does
+            attn = attn * torch.sigmoid(gate[0].float())
+        return self.wo(attn.to(dtype), exact)  # [M, dim]
 
     def forward(self, delta, residual, layer: int, ropes: dict, attend, exact: bool | None,
                 dtype: torch.dtype, q_temp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,29 +160,24 @@ class Block(nn.Module):
             cos, sin = ropes[self.rope]
             qkv, residual = self.fused.pre(delta, residual, cos, sin)  # [M, (H + 2 Hkv) D]
             q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
-            attn = attend(layer, q.view(M, c.n_heads, c.head_dim), k.view(M, c.n_kv_heads, c.head_dim),
+            attn = attend(self.kv_layer, q.view(M, c.n_heads, c.head_dim), k.view(M, c.n_kv_heads, c.head_dim),
                           v.view(M, c.n_kv_heads, c.head_dim))  # fp32 [M, H*D]
             return self.fused.post(attn.contiguous(), residual), residual
         h, residual = ops.add_rms_norm(delta, residual, self.attn_norm, c.norm_eps, dtype)
-        q, k, v = self.qkv(h, exact)
-        q, k = q.reshape(M, c.n_heads, c.head_dim), k.reshape(M, c.n_kv_heads, c.head_dim)
-        if self.q_norm is not None:  # each head normed on its own: [M * heads, D] rows
-            q = ops.add_rms_norm(q.reshape(-1, c.head_dim), None, self.q_norm, c.norm_eps, dtype)[0].view_as(q)
-            k = ops.add_rms_norm(k.reshape(-1, c.head_dim), None, self.k_norm, c.norm_eps, dtype)[0].view_as(k)
-        q, k = ops.rotary(q, k, *ropes[self.rope])  # "none": the identity table (cos 1, sin 0), as fused
-        if self.q_scale is not None:
-            q = q * self.q_scale
-        if q_temp is not None:
-            q = q * q_temp.to(q.dtype)
-        attn = attend(layer, q, k, v.view(M, c.n_kv_heads, c.head_dim))  # fp32 [M, H*D]
-        o = self.wo(attn.to(dtype), exact)  # [M, dim]
+        if self.deltanet is not None:  # its sequences' recurrent states (PagedBatch.state_slots), no K/V
+            o = self.deltanet(h, attend.pool.states, attend.batch, exact, dtype)  # [M, dim]
+        else:
+            o = self._attention(h, ropes, attend, exact, dtype, q_temp)  # [M, dim]
         if self.tp is not None:  # each rank multiplied its heads' columns: sum the partial products
             o = self.tp.all_reduce(o)
         if self.attn_post_norm is not None:
             o = ops.add_rms_norm(o, None, self.attn_post_norm, c.norm_eps, dtype)[0]
         h, residual = ops.add_rms_norm(o, residual, self.ffn_norm, c.norm_eps, dtype)
-        gate, up = self.gate_up(h, exact)
-        out = self.w_down(self.act(gate, up), exact)  # [M, dim]
+        if self.moe is not None:
+            out = self.moe(h, exact, dtype)  # [M, dim]
+        else:
+            gate, up = self.gate_up(h, exact)
+            out = self.w_down(self.act(gate, up), exact)  # [M, dim]
         if self.tp is not None:
             out = self.tp.all_reduce(out)
         if self.ffn_post_norm is not None:
@@ -203,6 +235,31 @@ class Llama(nn.Module):
     def device(self) -> torch.device:
         return self.backend.device
 
+    def bytes_per_token(self) -> int:
+        """Weight bytes one decode token reads: every tensor held (shared ones once), less the experts it
+        does not choose (k of E: models/moe.py reads no others) and the embedding table but its one row
+        when the table is not also the LM head. Decode speed is bounded by this over memory bandwidth."""
+        def held(m: nn.Module, seen: set) -> int:
+            total = 0
+            for b in m.buffers():
+                if b.data_ptr() not in seen:
+                    seen.add(b.data_ptr())
+                    total += b.numel() * b.element_size()
+            return total
+
+        seen: set = set()
+        head = held(self.output, seen)
+        table = held(self.embed, seen)  # 0 when tied: its bytes were counted as the head's
+        total = held(self, seen) + head
+        if table:
+            total += table // self.config.vocab_size
+        c = self.config
+        for layer in self.layers:
+            if layer.moe is not None:
+                experts = held(layer.moe.experts, set())
+                total -= experts - experts * c.n_experts_used // c.n_experts
+        return total
+
     def forward_paged(self, tokens: torch.Tensor, batch: PagedBatch, pool,
                       exact: bool | None | ExactRows = None, hidden: bool = False) -> torch.Tensor:
         """The engine's step: tokens int [M] of several sequences (see PagedBatch), K/V written to
@@ -210,7 +267,8 @@ class Llama(nn.Module):
         or with `hidden` the final normed hidden states fp32 [R, dim] instead (embeddings)."""
         ropes = {kind: rope_tables(inv, batch.positions, scale) for kind, (inv, scale) in self.ropes.items()}  # [M, D]
         c = self.config
-        attend = PagedAttention(pool, batch, [c.window_of(i) for i in range(c.n_layers)], self.backend)
+        sinks = [self.layers[i].sinks for i in c.attention_layers] if c.family.sinks else None  # per KV layer
+        attend = PagedAttention(pool, batch, [c.window_of(i) for i in c.attention_layers], self.backend, sinks)
         return self._run(tokens, ropes, attend, batch.logits_rows, exact, hidden, self._temperature(batch.positions))
 
     def _temperature(self, positions: torch.Tensor) -> torch.Tensor | None:

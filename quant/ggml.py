@@ -8,10 +8,13 @@ equals gguf.quants.dequantize bit for bit (tests/test_ggml_relayout.py, tests/te
     Q8_0  block 32, 34 bytes: d fp16, qs[32] i8  w[j] = d * qs[j]
 
 are lowbit's int4/int8 layouts up to the order of codes in a block and move into them (relayout);
-Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS (two-level scales, 5-bit codes,
-codebooks: kernels/ggml_blocks.py) are kept as the file stores them (quant/ggml_block.py) and
-multiplied by kernels that read those blocks. The rarer types gguf can decode (IQ1-IQ3, TQ1_0/TQ2_0,
-MXFP4, NVFP4) are requantized to int4-g32 with a note naming them; anything else is refused.
+Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS and MXFP4 (two-level scales, 5-bit codes,
+codebooks, MXFP4's E8M0 power-of-two scale: kernels/ggml_blocks.py) are kept as the file stores them
+(quant/ggml_block.py) and multiplied by kernels that read those blocks, or that read them repacked into
+lowbit's CPU tiles (quant/ggml_tiles.py). MXFP4 (gpt-oss's experts: 17 bytes per 32 weights, 4.25 bits)
+was requantized to int4-g32 (5.0 bits, lossy) before it had kernels of its own. The rarer types gguf can
+decode (IQ1-IQ3, TQ1_0/TQ2_0, NVFP4) are requantized to int4-g32 with a note naming them; anything else
+is refused.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ KEPT = MappingProxyType({T(q): block_spec(q) for q in BLOCKS if T(q) not in RELA
 LOSSLESS = MappingProxyType({**RELAYOUT, **KEPT})
 # Rare low-bit types gguf.quants decodes (all under 4.5 bits per weight): int4-g32 keeps what they have.
 REQUANTIZED = MappingProxyType({getattr(T, n): parse_weights("int4-g32") for n in (
-    "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
+    "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "NVFP4")
     if hasattr(T, n)})
 FLOATS = MappingProxyType({T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16})
 SUPPORTED = (*LOSSLESS, *REQUANTIZED, *FLOATS)

@@ -1,4 +1,4 @@
-"""GGML block formats held as GGUF stores them: Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS.
+"""GGML block formats held as GGUF stores them: Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4.
 
 Storage: each row's blocks exactly as in the file (kernels/ggml_blocks.py says what a block holds),
 
@@ -21,7 +21,8 @@ from lowbit.kernels.ggml_blocks import BLOCKS, ggml_dequant_ref, row_bytes
 from lowbit.quant.spec import WeightSpec
 
 # nominal bits of each type's codes (WeightSpec.bits), for the layout's name and the memory report
-CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 4, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 4}
+CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 4, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 4,
+             "MXFP4": 4}
 TYPE_OF = {name: qtype for qtype, (name, _, _) in BLOCKS.items()}
 
 

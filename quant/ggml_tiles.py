@@ -1,5 +1,5 @@
 """GGML weights into the CPU's tiles: a GGUF file's Q4_0 / Q4_1 / Q8_0 rows into lowbit's int4 / int8
-tiles (kernels/int4_mm.py, int8_mm.py), its K-quant and 5-bit rows into tiles of their own
+tiles (kernels/int4_mm.py, int8_mm.py), its K-quant, 5-bit and MXFP4 rows into tiles of their own
 (kernels/kq_mm.py), a fused QKV or gate+up whose rows come in runs of several types as one chain
 (kernels/segments.py) — each run packed by the C repack straight from its bytes, or from the file where
 nothing has read them yet (quant/ggml_block.py FileBlocks, quant/ggml.py FileRelaid), so a load holds
@@ -39,7 +39,9 @@ def cpu_pack_rows(weights: list, native):
     in tiles (kernels/kq_mm.py, int4_mm.py, int8_mm.py), each run packed straight from its own bytes by
     C — from the file where nothing has read them — with no stacked copy first; several types: Segments
     (kernels/segments.py). None where the C kernels are not there, a layout is not GGML blocks, a type
-    has no tiles (Q2_K, Q3_K, IQ4_*) or a run before the last is not whole 16-row tiles."""
+    has no tiles (Q2_K, Q3_K, IQ4_*) or K is not whole groups of its tiles (kq_mm.py KQ_TYPES: MXFP4's are
+    64 values) — those stay in the file's blocks (kernels/ggml_mm.py) — or a run before the last is not whole
+    16-row tiles."""
     if native is None or any(w.in_features != weights[0].in_features for w in weights):
         return None
     items = [_rows_of(w) for w in weights]

@@ -136,6 +136,9 @@ PackedSpec = GPTQSpec | AWQSpec
 def parse_quantization_config(qc: dict) -> PackedSpec:
     """config.json's quantization_config → its spec. ValueError, one line, for anything not read exactly."""
     method = str(qc.get("quant_method", qc.get("method", "?"))).lower()
+    if method == "mxfp4":  # gpt-oss as OpenAI ships it: llama.cpp's converter keeps these bytes in its GGUF
+        raise ValueError("MXFP4 safetensors (gpt-oss as published) are not read here; use its GGUF, which holds "
+                         "the same MXFP4 experts (lowbit keeps them as they are)")
     if method not in ("gptq", "awq"):
         raise ValueError(f"pre-quantized checkpoint ({method}) is not supported; lowbit reads 4-bit gptq and awq "
                          "checkpoints, or full-precision ones it quantizes itself")

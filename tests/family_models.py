@@ -30,6 +30,16 @@ FAMILIES = {
         tie_word_embeddings=False,
         num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
         sliding_window=16, rope_parameters=GEMMA_ROPE), "GEMMA3"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=64, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]), "QWEN3MOE"),
+    # gpt-oss: sinks, biases everywhere, window-16 layers alternating with full ones, YaRN (factor 32 over an
+    # original 32 positions), clamped SwiGLU, the router's softmax over its top 2 of 8 experts
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=64, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, intermediate_size=256,
+        sliding_window=16, rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                                truncate=False, original_max_position_embeddings=32,
+                                                rope_theta=150000.0)), "GPT_OSS"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
         tie_word_embeddings=False, max_position_embeddings=65536, original_max_position_embeddings=2048,
         partial_rotary_factor=0.75, rope_parameters=dict(
@@ -57,6 +67,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_((0.0 if gemma else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("sinks"):  # gpt-oss: one logit per head, beside scores of std ~1
+                p.copy_(torch.randn(p.shape, generator=g))
             elif name.endswith("bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name or "lm_head" in name:

@@ -57,10 +57,13 @@ class Sequences:
         from lowbit.quant.kv import KV_FORMATS
         from lowbit.runtime.engine.kv_cache import KVPool
         from lowbit.runtime.engine.runner import Runner
+        from lowbit.runtime.engine.state_cache import StateCache
 
         c, per = model.config, -(-max_len // page_size)
-        self.pool = KVPool(KV_FORMATS[kv], c.n_layers, model.kv_heads, c.head_dim, num_pages=batch * per,
-                           page_size=page_size, device=model.device)
+        # a hybrid model (Qwen3.5): pages for its attention layers, a recurrent-state slot per sequence
+        states = StateCache(c, batch, model.device) if c.deltanet is not None else None
+        self.pool = KVPool(KV_FORMATS[kv], c.n_kv_layers, model.kv_heads, c.head_dim, num_pages=batch * per,
+                           page_size=page_size, device=model.device, states=states)
         self.runner, self.max_len, self.page_size = Runner(model, self.pool), max_len, page_size
         self.pages = [list(range(b * per, (b + 1) * per)) for b in range(batch)]  # [B][per]
         self.lens = [0] * batch
@@ -78,7 +81,8 @@ class Sequences:
             if start + len(toks) > self.max_len:
                 raise ValueError(f"sequence {b}: {start + len(toks)} tokens exceed {self.max_len}")
             slots = [self.pages[b][p // ps] * ps + p % ps for p in range(start, start + len(toks))]
-            chunks.append(Chunk(toks, start, slots, self.pages[b][:-(-(start + len(toks)) // ps)], logits=len(toks)))
+            chunks.append(Chunk(toks, start, slots, self.pages[b][:-(-(start + len(toks)) // ps)], logits=len(toks),
+                                state_slot=b))
             self.lens[b] += len(toks)
         logits = self.runner.run(chunks, exact)
         return logits.view(len(rows), -1, logits.shape[-1]) if isinstance(tokens, torch.Tensor) else logits

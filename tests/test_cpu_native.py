@@ -258,7 +258,10 @@ def test_gelu_tanh_mul_matches_its_spec_and_rows_are_independent():
     assert torch.equal(torch.cat([gelu_tanh_mul_cpu(gate[i:i + 1], up[i:i + 1], native=k_) for i in range(6)]), got)
 
 
-def _tiny_model(weights: str, bias: bool = False, native="auto", qk_norm: bool = False, family: str | None = None):
+def _tiny_model(weights: str, bias: bool = False, native="auto", qk_norm: bool = False, family: str | None = None,
+                sinks: list | None = None):
+    """sinks: per layer fp32 [4] attention sinks for the fused blocks' descriptors (kernels/cpu_block.py
+    fused_block), or None; the step's PagedAttention must be given the same tensors (`with_sinks`)."""
     import dataclasses
 
     from lowbit.models.backend import torch_backend
@@ -281,7 +284,20 @@ def _tiny_model(weights: str, bias: bool = False, native="auto", qk_norm: bool =
         g = torch.Generator().manual_seed(2)
         for i in range(cfg.n_layers):
             w |= {f"layers.{i}.b{n}": torch.randn(s, generator=g) for n, s in (("q", 64), ("k", 32), ("v", 32))}
-    return Llama(cfg, w, torch_backend(native)).eval()
+    backend = torch_backend(native)
+    if sinks is not None:  # the blocks are built in layer order: each takes the next layer's sinks
+        layer_sinks, build = iter(sinks), backend.fused_block
+        backend = dataclasses.replace(backend, fused_block=lambda *a, **k: build(*a, sinks=next(layer_sinks), **k))
+    return Llama(cfg, w, backend).eval()
+
+
+def with_sinks(monkeypatch, sinks: list | None) -> None:
+    """The model's PagedAttention given per-layer `sinks` in place of the family's (a Llama has none)."""
+    from lowbit.models import llama
+    from lowbit.models.attention import PagedAttention
+
+    monkeypatch.setattr(llama, "PagedAttention", lambda pool, batch, windows, backend, *_, **__: PagedAttention(
+        pool, batch, windows, backend, sinks))
 
 
 @pytest.mark.parametrize("weights,bias,family", [("int4-g32", False, "llama"), ("int4-sym-g32", True, "llama"),
@@ -400,23 +416,32 @@ def test_exact_path_in_row_ranges(name, monkeypatch):
         assert torch.equal(mm(x, plain, exact=True), with_c)
 
 
-@pytest.mark.parametrize("kv,family", [("f32", "llama"), ("f16", "llama"), ("k8v4", "llama"), ("k4v4", "llama"),
-                                       ("k8v4", "qwen3"), ("k8v4", "gemma3"), ("f32", "gemma3"), ("k8v4", "smollm3")])
-def test_one_call_paged_step_equals_the_block_by_block_step(kv, family, monkeypatch):
+@pytest.mark.parametrize("kv,family,sinks", [("f32", "llama", False), ("f16", "llama", False),
+                                             ("k8v4", "llama", False), ("k4v4", "llama", False),
+                                             ("k8v4", "qwen3", False), ("k8v4", "gemma3", False),
+                                             ("f32", "gemma3", False), ("k8v4", "smollm3", False),
+                                             ("k8v4", "llama", True), ("k8v4", "gemma3", True), ("f32", "gemma3", True)])
+def test_one_call_paged_step_equals_the_block_by_block_step(kv, family, sinks, monkeypatch):
     """A decode step over the paged, quantized pool in one C call (every block: fused halves,
     quantize-on-write, paged attention) gives the logits and the pool contents, bit for bit, that the
     block-by-block path gives; so does a step with a short prompt chunk in it (its rows attended one by
     one in C, models/attention.py C_ROWS_MAX); a chunk longer than that takes the block-by-block path.
     Families: Gemma's local and global layers take their own rotary tables and windows (window 4 cuts
     the 5- and 9-token contexts: the attention plan changes from layer to layer), SmolLM3's NoPE layer
-    the identity table."""
+    the identity table. With attention sinks (gpt-oss), each layer's in its fused block's descriptor and
+    given to the step's PagedAttention, the two steps still agree bit for bit, and differ from a step
+    without sinks."""
     import lowbit.models.attention as attention
     from lowbit.models.attention import PagedAttention, PagedBatch
     from lowbit.quant.kv import KV_FORMATS
     from lowbit.runtime.engine.kv_cache import KVPool
 
     _kernels()
-    model = _tiny_model("int4-g32", family=family)
+    n_layers = FAMILY_VARIANTS[family].get("n_layers", 2)
+    layer_sinks = [torch.randn(4, generator=torch.Generator().manual_seed(10 + i)) * 2 for i in range(n_layers)] \
+        if sinks else None
+    model = _tiny_model("int4-g32", family=family, sinks=layer_sinks)
+    with_sinks(monkeypatch, layer_sinks)
     assert model.fused_layers is not None
     c, P = model.config, 4
     g = torch.Generator().manual_seed(6)
@@ -449,6 +474,12 @@ def test_one_call_paged_step_equals_the_block_by_block_step(kv, family, monkeypa
     tokens = torch.randint(0, 80, (3,), generator=g)
     (a, pa, all_c), (b, pb, _) = step(True, [1, 1, 1]), step(False, [1, 1, 1])
     assert all_c and torch.equal(a, b)
+    if sinks:
+        with_sinks(monkeypatch, None)
+        assert (step(False, [1, 1, 1])[0] - a).abs().max() > 1e-3  # the sinks took part
+        with pytest.raises(ValueError, match="sinks are not this step's"):  # nor may the two disagree
+            step(True, [1, 1, 1])
+        with_sinks(monkeypatch, layer_sinks)
     for layer in range(pa.n_layers):
         for side in ("k", "v"):
             for key, t in pa.side(layer, side).tensors().items():

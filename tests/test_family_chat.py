@@ -39,6 +39,9 @@ TEMPLATES = {
     "gemma3": ("data/gemma-3-it.jinja", "generic", None),
     "phi3": ("data/phi-4.jinja", "generic", None),
     "ministral3": ("mistralai-Ministral-3-14B-Reasoning-2512.jinja", "mistral", ("[THINK]", "[/THINK]")),
+    "qwen3moe": ("Qwen-Qwen3-0.6B.jinja", "hermes", ("<think>", "</think>")),  # Qwen3-30B-A3B's is Qwen3's
+    # harmony: reasoning is the analysis channel, not tags (runtime/server/harmony.py; tests/test_harmony.py)
+    "gpt-oss": ("openai-gpt-oss-120b.jinja", "harmony", None),
 }
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
            "additionalProperties": False}
@@ -140,7 +143,7 @@ def test_ollama_client_chats_and_sees_thinking(served):
     family, base = served
     client = ollama.Client(host=base, timeout=120)
     caps = client.show(family).capabilities or []
-    assert ("thinking" in caps) == (TEMPLATES[family][2] is not None), caps
+    assert ("thinking" in caps) == (TEMPLATES[family][2] is not None or TEMPLATES[family][1] == "harmony"), caps
     r = client.chat(family, messages=CHAT, options={"temperature": 0, "num_predict": 8},
                     **({"think": False} if family == "qwen3" else {}))
     assert r.message.role == "assistant" and r.done

@@ -150,7 +150,7 @@ def test_engine_on_the_triton_backend(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["qwen3", "smollm3", "gemma3", "phi3", "ministral3"])
+@pytest.mark.parametrize("family", ["qwen3", "smollm3", "gemma3", "phi3", "ministral3", "qwen3moe", "gpt-oss"])
 @torch.inference_mode()
 def test_every_family_on_the_triton_backend(family, device, tmp_path):
     """Each family's variants (tests/family_models.py: q/k norms, Gemma's four norms and GeGLU, local

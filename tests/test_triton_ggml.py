@@ -39,7 +39,9 @@ def random_blocks(qtype: int, N: int, K: int, seed: int) -> torch.Tensor:
     name, qk, nb = BLOCKS[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(N * K // qk, nb), dtype=np.uint8)
-    for o in SCALES.get(name, [0]):
+    if name == "MXFP4":  # one exponent byte: scales 2^-11..2^-2, as the fp16 ones below
+        raw[:, 0] = rng.integers(117, 127, raw.shape[0])
+    for o in SCALES.get(name, [0] if name != "MXFP4" else []):
         raw[:, o:o + 2] = rng.uniform(-0.05, 0.05, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return torch.from_numpy(raw.reshape(N, -1))
 

@@ -510,10 +510,10 @@ from lowbit.kernels import paged_attention as pa
 PTR = {32: "*fp32", 16: "*fp16", 8: "*i8", 4: "*u8"}
 for fmt, k_bits, k_group, v_bits, v_group, q_type, sliding in (("k8v4", 8, 64, 4, 32, "*fp32", False),
                                                                   ("f16", 16, 64, 16, 64, "*fp16", True)):
-    stage1, stage2 = pa.decode_constexprs(64, 3, k_bits, k_group, v_bits, v_group, sliding)
+    stage1, stage2 = pa.decode_constexprs(64, 3, k_bits, k_group, v_bits, v_group, sliding, sinks=sliding)  # gpt-oss's
     # kernel_tensors(): a side without scales or mins passes its codes (data) in their place
     types = {"q_ptr": q_type, "pos_ptr": "*i64", "rs_ptr": "*i32", "ctx_ptr": "*i32", "bt_ptr": "*i32",
-             "scale": "fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*fp32"}
+             "scale": "fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*fp32", "sink_ptr": "*fp32"}
     for side, bits in (("k", k_bits), ("v", v_bits)):
         types.update({side + "c_ptr": PTR[bits], side + "s_ptr": "*fp16" if bits < 16 else PTR[bits],
                       side + "m_ptr": "*fp16" if bits == 4 else PTR[bits]})

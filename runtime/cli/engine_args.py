@@ -13,7 +13,7 @@ from lowbit.runtime.load.registry import DEFAULT_MODEL
 
 DEFAULTS = EngineConfig()
 WEIGHTS_HELP = ("weight layout: auto (GGUF: every common type held losslessly at the file's size — Q4_0, Q4_1, "
-                "Q8_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS; safetensors: int4-g32, GPTQ/AWQ as stored), int4-g32, int4-g64, int4-g128, int4-sym-g32/64/128, int8, "
+                "Q8_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4; safetensors: int4-g32, GPTQ/AWQ as stored), int4-g32, int4-g64, int4-g128, int4-sym-g32/64/128, int8, "
                 "int8-g32/64/128, bf16, f16, f32, and on CPU bitsandbytes' bnb-nf4, bnb-int8")
 SPECULATIVE_HELP = ("speculative decoding: 'ngram,k=4' (prompt lookup: drafts copied from the request's own "
                     "context, n=3 longest suffix), 'draft=MODEL,k=4' (a small model with the same vocabulary) or "

@@ -69,6 +69,10 @@ def cmd_info(args) -> int:
           f"weights: {lm.weights} (layouts: {', '.join(layouts)})\n"
           f"device: {lm.model.device} ({lm.model.backend.name} kernels)\n"
           f"bytes held by weight tensors: {lm.weight_bytes:,}\nload time: {lm.load_seconds:.2f} s")
+    total, active = c.parameters()
+    print(f"parameters: {total:,} total, {active:,} active per token"
+          + (f" ({c.n_experts_used} of {c.n_experts} experts)" if c.n_experts else "")
+          + f"\nweight bytes read per token: {lm.model.bytes_per_token():,}")
     if lm.source == "gguf":
         from lowbit.runtime.load.gguf import gguf_tensor_types as tensor_types
     else:

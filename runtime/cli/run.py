@@ -89,7 +89,8 @@ def cmd_run(args) -> int:
     verified = args.temperature == 0 and not args.fast_greedy and spec is None and args.tp == 1
     if verified:
         config = dataclasses.replace(config, kv_format="f32", speculative=VERIFIED_GREEDY,
-                                     kv_memory=_room(lm, len(ids) + args.max_tokens))
+                                     kv_memory=_room(lm, len(ids) + args.max_tokens)
+                                     + lm.config.state_bytes * config.max_num_seqs)  # hybrid: its state slots
         kv = "f32 (verified greedy)"
     try:
         res, spec_stats = _engine_run(lm, ids, params, config, write, draft)
@@ -118,7 +119,7 @@ def _room(lm, tokens: int) -> int:
     from lowbit.quant.kv import KV_FORMATS
 
     c = lm.config
-    per_token = KV_FORMATS["f32"].bytes_per_token(c.n_layers, lm.model.kv_heads, c.head_dim)
+    per_token = KV_FORMATS["f32"].bytes_per_token(c.n_kv_layers, lm.model.kv_heads, c.head_dim)
     return per_token * (min(tokens, c.max_seq_len) + VERIFY_SLACK)
 
 

@@ -86,6 +86,8 @@ def why_eager(model, pool, on_cuda: bool = True) -> str | None:
         return f"the model is on {model.device}, not CUDA"
     if pool.num_pages < 2:
         return "the KV pool has no page to spare for the padding rows"
+    if getattr(pool, "states", None) is not None:  # padding rows would need a state slot; not captured yet
+        return "the model has recurrent layers (a hybrid model's DeltaNet state is not graphed)"
     return None
 
 

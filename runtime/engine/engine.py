@@ -34,17 +34,20 @@ from lowbit.runtime.engine.sampler import SampleResult, SamplingParams, Sampling
 from lowbit.runtime.engine.scheduler import ScheduledSeq, Scheduler, Sequence, Status
 from lowbit.runtime.engine.speculative import (MAX_K, DraftProposer, FastDrafter, NgramProposer, Proposal, SpecStats,
                                                verify)
+from lowbit.runtime.engine.state_cache import StateCache
+from lowbit.runtime.engine.state_pool import StateSlots
 from lowbit.runtime.engine.stop import StopMatcher
 
 def kv_budget(kv_memory: int | float | None, device: torch.device, token_bytes: int = 0, context: int = 0,
-              page_size: int = 16) -> int:
+              page_size: int = 16, state_bytes: int = 0) -> int:
     """Bytes for the KV pool: a byte count, a fraction (0, 1) of the GPU memory free right now (after
     the weights are loaded), as vLLM's --gpu-memory-utilization but of free memory, or None: what the
     model needs for one whole context (`context` tokens of `token_bytes` each, plus a page), at least
     DEFAULT_KV_MEMORY, at most half the memory free now where that is less (as Ollama and llama-server
-    choose a context from memory; the rest stays for activations and other programs)."""
+    choose a context from memory; the rest stays for activations and other programs). state_bytes: a hybrid
+    model's recurrent-state slots, which the budget holds besides the pages (None: on top of the context)."""
     if kv_memory is None:
-        want = max(DEFAULT_KV_MEMORY, token_bytes * page_size * (-(-context // page_size) + 1))
+        want = max(DEFAULT_KV_MEMORY, token_bytes * page_size * (-(-context // page_size) + 1)) + state_bytes
         return min(want, max(DEFAULT_KV_MEMORY, free_memory(device) // 2))
     if isinstance(kv_memory, float) and 0 < kv_memory < 1:
         if device.type != "cuda":
@@ -114,21 +117,34 @@ class Engine:
         self.max_model_len = e.max_model_len or c.max_seq_len  # prompt + reply, in tokens
         # model.kv_heads: the heads this process caches (all of them, or one tensor-parallel rank's share)
         fmt = parse_kv_format(e.kv_format)
-        budget = kv_budget(e.kv_memory, model.device, fmt.bytes_per_token(c.n_layers, model.kv_heads, c.head_dim),
-                           self.max_model_len, e.page_size)
-        self.pool = KVPool.from_budget(fmt, c.n_layers, model.kv_heads, c.head_dim, budget, e.page_size, model.device)
+        # a hybrid model (Qwen3.5): pages for its attention layers only, and a recurrent-state slot for each
+        # sequence that may run (runtime/engine/state_pool.py), paid out of the same budget
+        token_bytes = fmt.bytes_per_token(c.n_kv_layers, model.kv_heads, c.head_dim)
+        state_bytes = c.state_bytes * e.max_num_seqs
+        budget = kv_budget(e.kv_memory, model.device, token_bytes, self.max_model_len, e.page_size, state_bytes)
+        if state_bytes and budget - state_bytes < token_bytes * e.page_size:
+            raise ValueError(f"a KV budget of {budget} bytes holds the recurrent state of {e.max_num_seqs} sequences "
+                             f"({state_bytes} bytes) and no KV page; give more --kv-memory or fewer sequences")
+        states = StateCache(c, e.max_num_seqs, model.device) if state_bytes else None
+        self.pool = KVPool.from_budget(fmt, c.n_kv_layers, model.kv_heads, c.head_dim, budget - state_bytes,
+                                       e.page_size, model.device, states)
         self.runner = Runner(model, self.pool, decode_graphs(model, self.pool, e, self.max_model_len))
-        # graphed decode steps pad with rows writing to the pool's last page: kept from every sequence
+        # graphed decode steps pad with rows writing to the pool's last page: kept from every sequence.
+        # No prefix cache for a hybrid model: a cached page serves attention's K/V but not the recurrent state
+        # of the tokens before it, which is kept for no one (runtime/engine/state_pool.py; the cost of a repeated
+        # prefix is measured in tests/test_hybrid.py)
         self.blocks = PageManager(self.pool.num_pages - (self.runner.graphs is not None), e.page_size,
-                                  e.prefix_caching)
-        self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_step_tokens, e.max_waiting)
+                                  e.prefix_caching and states is None)
+        self.slots = StateSlots(e.max_num_seqs) if states is not None else None
+        self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_step_tokens, e.max_waiting, self.slots)
         self.requests: dict[str, _Request] = {}
         self._ids = 0
         self.speculative, self.proposer, self.spec = e.speculative, None, SpecStats()
         if e.speculative is not None and e.speculative.method == "ngram":
             self.proposer = NgramProposer(e.speculative)
         elif e.speculative is not None and e.speculative.method == "verify":
-            self.proposer = FastDrafter(self.runner, self.blocks, tokenizer.vocab_size, frozenset(tokenizer.eos_ids))
+            self.proposer = FastDrafter(self.runner, self.blocks, tokenizer.vocab_size, frozenset(tokenizer.eos_ids),
+                                        self.slots)
         elif e.speculative is not None:
             if draft_model is None:
                 raise ValueError("speculative decoding with a draft model needs the draft model")
@@ -136,6 +152,9 @@ class Engine:
                 raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
                                  f"target's ({c.vocab_size}); a draft must share the target's tokenizer")
             d = draft_model.config
+            if d.deltanet is not None:  # its cache is cut back to a common prefix each round: pages only
+                raise ValueError(f"a hybrid model ({d.arch}: recurrent layers) cannot be the draft model; use a "
+                                 "transformer draft, or ngram")
             self.proposer = DraftProposer(draft_model, tokenizer.vocab_size, fmt, kv_budget(
                 e.kv_memory, draft_model.device, fmt.bytes_per_token(d.n_layers, draft_model.kv_heads, d.head_dim),
                 self.max_model_len, e.page_size), e.page_size)
@@ -172,7 +191,8 @@ class Engine:
         seq = Sequence(request_id, list(prompt_ids), max_tokens, prefix_cache=not verified)
         self.scheduler.add(seq)
         self.requests[request_id] = _Request(seq, SamplingState(params, tuple(prompt_ids)),
-                                             StreamDetokenizer(self.tok), StopMatcher(params.stop), grammar,
+                                             StreamDetokenizer(self.tok, params.skip_special_tokens),
+                                             StopMatcher(params.stop), grammar,
                                              spec_k=0 if grammar is not None else k, exact=verified)
         return request_id
 
@@ -188,7 +208,9 @@ class Engine:
         flag that changes it."""
         p, gib = self.pool, 1 << 30
         size = f"{p.nbytes / gib:.2f} GiB" if p.nbytes >= gib else f"{p.nbytes >> 20} MiB"
-        return (f"KV cache {p.fmt.name}: {size}, {self.blocks.num_pages * p.page_size:,} tokens (the context is "
+        states = "" if p.states is None else (f" with the recurrent state of {p.states.num_slots} sequences "
+                                              f"({p.states.nbytes >> 20} MiB)")
+        return (f"KV cache {p.fmt.name}: {size}{states}, {self.blocks.num_pages * p.page_size:,} tokens (the context is "
                 f"{self.max_model_len:,}; --kv-memory sets the size)")
 
     def has_work(self) -> bool:
@@ -298,6 +320,8 @@ class Engine:
         req, proposal = self.requests[sid], self._proposals[sid]
         v = verify(logits, proposal, req.state)
         self.scheduler.resolve_drafts(sid, v.accepted)
+        if self.pool.states is not None:  # the recurrent state keeps the pending token and the accepted drafts
+            self.pool.states.keep(s.seq.state_slot, v.accepted + 1)
         req.spec.add(len(proposal.drafts), v.accepted)
         self.spec.add(len(proposal.drafts), v.accepted)
         n = req.state.params.logprobs
@@ -321,7 +345,8 @@ class Engine:
         end = s.start + s.num_tokens
         exact = s.num_tokens if self.requests[s.seq.seq_id].exact else 0
         return Chunk(s.seq.all_ids[s.start:end], s.start, s.slots, self.blocks.block_table(s.seq.seq_id),
-                     logits=1 + s.num_drafts if s.sample else 0, one_by_one=s.num_drafts > 0, exact=exact)
+                     logits=1 + s.num_drafts if s.sample else 0, one_by_one=s.num_drafts > 0, exact=exact,
+                     state_slot=s.seq.state_slot)
 
     def _emit(self, rid: str, chosen: list[SampleResult], finish: str | None) -> Delta:
         """One delta for the tokens a step chose for a request (one, or an accepted speculative run

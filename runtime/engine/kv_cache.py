@@ -10,7 +10,9 @@ slot each token gets, this module only stores and reads. Per layer and side (K, 
     int4  codes  uint8 [P, Hkv, page, D/2]   scales, mins fp16 [P, Hkv, page, G]
 
 A page's scales sit beside its codes (same leading index), so a page is freed or shared as a
-whole. Writing quantizes each token vector as it arrives (kernels/kv_quant.py); reading gathers a
+whole. A hybrid model's pool holds pages for its attention layers only (`n_layers` is theirs: Qwen3.5's
+one layer in four) and carries the recurrent-state slots of its other layers as `states`
+(runtime/engine/state_cache.py), counted in `nbytes`. Writing quantizes each token vector as it arrives (kernels/kv_quant.py); reading gathers a
 sequence's pages and dequantizes them (the CPU path; the CUDA path reads codes in-kernel).
 """
 
@@ -29,22 +31,23 @@ GIB = 1 << 30
 
 class KVPool:
     def __init__(self, fmt: KVFormat, n_layers: int, n_kv_heads: int, head_dim: int, num_pages: int,
-                 page_size: int = 16, device: torch.device | str = "cpu"):
+                 page_size: int = 16, device: torch.device | str = "cpu", states=None):
         if num_pages < 1:
             raise ValueError("the KV pool needs at least one page")
         self.fmt, self.page_size, self.num_pages = fmt, page_size, num_pages
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.rot = rotation(head_dim, device) if fmt.rotates(head_dim) else None  # [D, D] orthonormal
         self._sides = [{"k": self._alloc("k", device), "v": self._alloc("v", device)} for _ in range(n_layers)]
+        self.states = states  # StateCache or None
 
     @classmethod
     def from_budget(cls, fmt: KVFormat, n_layers: int, n_kv_heads: int, head_dim: int, budget_bytes: int,
-                    page_size: int = 16, device="cpu") -> "KVPool":
+                    page_size: int = 16, device="cpu", states=None) -> "KVPool":
         per_page = fmt.bytes_per_token(n_layers, n_kv_heads, head_dim) * page_size
         pages = budget_bytes // per_page
         if pages < 1:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page ({per_page} bytes each in {fmt.name})")
-        return cls(fmt, n_layers, n_kv_heads, head_dim, int(pages), page_size, device)
+        return cls(fmt, n_layers, n_kv_heads, head_dim, int(pages), page_size, device, states)
 
     def _alloc(self, name: Literal["k", "v"], device) -> KVSide:
         P, H, S, D = self.num_pages, self.n_kv_heads, self.page_size, self.head_dim
@@ -68,7 +71,7 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self._sides for side in layer.values()
-                   for t in side.tensors().values())
+                   for t in side.tensors().values()) + (self.states.nbytes if self.states is not None else 0)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kernels=None) -> None:
         """k, v [M, Hkv, D] (any float dtype) of M tokens → their slots (int [M]). With lowbit's C kernels

@@ -18,6 +18,7 @@ from lowbit.models.attention import PagedBatch
 from lowbit.quant.kv import KV_FORMATS
 from lowbit.quant.linear import ExactRows
 from lowbit.runtime.engine.kv_cache import KVPool
+from lowbit.runtime.engine.state_cache import StateCache
 
 
 @dataclass(frozen=True)
@@ -34,18 +35,19 @@ class Chunk:
     # how many of the tokens, the first ones, the engine runs exactly on CPU: its prompt tokens, or
     # every token of a verified-greedy request
     exact: int = 0
+    state_slot: int = -1  # the sequence's recurrent-state slot (hybrid models; runtime/engine/state_pool.py)
 
 
 def paged_batch(positions: list[int], slots: list[int], query_lens: list[int], context_lens: list[int],
                 pages: list[list[int]], logits_rows: list[int], one_by_one: list[bool] | None = None,
-                device: torch.device | str = "cpu") -> PagedBatch:
+                device: torch.device | str = "cpu", state_slots: list[int] | None = None) -> PagedBatch:
     """Plain lists → the PagedBatch tensors on `device`."""
     def ids(x) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
     return PagedBatch(positions=ids(positions), slots=ids(slots), query_lens=list(query_lens),
                       context_lens=list(context_lens), block_tables=[ids(p) for p in pages],
-                      logits_rows=ids(logits_rows), one_by_one=one_by_one)
+                      logits_rows=ids(logits_rows), one_by_one=one_by_one, state_slots=state_slots)
 
 
 def prepare(chunks: list[Chunk], device: torch.device | str) -> tuple[torch.Tensor, PagedBatch]:
@@ -58,7 +60,8 @@ def prepare(chunks: list[Chunk], device: torch.device | str) -> tuple[torch.Tens
         slots += c.slots
         rows += range(len(tokens) - c.logits, len(tokens))
     batch = paged_batch(positions, slots, [len(c.tokens) for c in chunks], [c.start + len(c.tokens) for c in chunks],
-                        [c.pages for c in chunks], rows, [c.one_by_one for c in chunks], device)
+                        [c.pages for c in chunks], rows, [c.one_by_one for c in chunks], device,
+                        [c.state_slot for c in chunks])
     return torch.tensor(tokens, dtype=torch.long, device=device), batch
 
 
@@ -71,11 +74,12 @@ def fresh_pool(model, texts: list[list[int]], logits: list[int] | None = None, k
     for i, ids in enumerate(texts):
         pages = list(range(first, first + -(-len(ids) // page_size)))
         slots = [pages[p // page_size] * page_size + p % page_size for p in range(len(ids))]
-        chunks.append(Chunk(list(ids), 0, slots, pages, logits=len(ids) if logits is None else logits[i]))
+        chunks.append(Chunk(list(ids), 0, slots, pages, logits=len(ids) if logits is None else logits[i], state_slot=i))
         first += len(pages)
     c = model.config
-    pool = KVPool(KV_FORMATS[kv_format], c.n_layers, model.kv_heads, c.head_dim, num_pages=max(first, 1),
-                  page_size=page_size, device=model.device)
+    states = StateCache(c, len(texts), model.device) if c.deltanet is not None else None  # a slot per text
+    pool = KVPool(KV_FORMATS[kv_format], c.n_kv_layers, model.kv_heads, c.head_dim, num_pages=max(first, 1),
+                  page_size=page_size, device=model.device, states=states)
     return pool, chunks
 
 
@@ -100,4 +104,6 @@ class Runner:
         if self.graphs is not None and self.graphs.eligible(chunks, exact):
             return self.graphs.run(chunks)
         tokens, batch = prepare(chunks, self.model.device)
+        if getattr(self.pool, "states", None) is not None:
+            self.pool.states.begin_step()
         return self.model.forward_paged(tokens, batch, self.pool, exact)

@@ -67,6 +67,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # checked by the engine, like the end tokens
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives (0..20); None = no logprobs
+    # False: special tokens are written out as their text (vLLM's name). gpt-oss's harmony markers
+    # (<|channel|>, <|message|>, ...) are control tokens the reply parser must see (server/harmony.py)
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         def bad(name, want):
@@ -93,6 +96,8 @@ class SamplingParams:
             bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "a bool")
+        if not isinstance(self.skip_special_tokens, bool):
+            bad("skip_special_tokens", "a bool")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # OpenAI allows one string
         if not (isinstance(stop, (tuple, list)) and all(isinstance(s, str) and s for s in stop)):
             bad("stop", "a tuple of non-empty strings")

@@ -26,6 +26,11 @@ the drafts dropped when the budget is short), the model scores every position, a
 `postprocess` the engine calls `resolve_drafts(seq_id, accepted)`, which rolls back the rejected
 drafts and their KV; postprocess then appends the target's token after the accepted ones. Drafts
 are never part of a preempted sequence: they are dropped with its pages.
+
+Hybrid models (recurrent layers, runtime/engine/state_pool.py): each running sequence also holds one
+recurrent-state slot, taken at admission and given back wherever its pages are (finish, abort, preemption).
+`max_num_seqs` running sequences need at most that many slots, so the engine makes that many and admission
+never waits for one. Preemption recomputes: the slot goes back and the sequence restarts from position 0.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from lowbit.runtime.engine.pages import PageManager
+from lowbit.runtime.engine.state_pool import StateSlots
 
 
 class QueueFull(Exception):
@@ -64,6 +70,7 @@ class Sequence:
     # attach cached prefix pages on admission: False for a request whose every row must be exact
     # (verified greedy), since a cached page may hold K/V another request computed on the fast kernels
     prefix_cache: bool = True
+    state_slot: int = -1  # its recurrent-state slot while running (hybrid models), else -1
 
     @property
     def all_ids(self) -> list[int]:
@@ -96,6 +103,7 @@ class Scheduler:
         max_num_seqs: int,
         max_step_tokens: int,
         max_waiting: int,
+        states: StateSlots | None = None,
     ):
         if max_num_seqs < 1 or max_step_tokens < max_num_seqs:
             raise ValueError(
@@ -103,6 +111,7 @@ class Scheduler:
                 f"step), got {max_num_seqs} and {max_step_tokens}"
             )
         self.bm = pages
+        self.states = states  # a hybrid model's recurrent-state slots, one per running sequence
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
         self.max_waiting = max_waiting
@@ -198,6 +207,11 @@ class Scheduler:
                 self._finished_in_schedule.append(self.finish(seq.seq_id, "length"))
                 return True
             return False
+        if self.states is not None:
+            slot = self.states.allocate(seq.seq_id)
+            if slot is None:  # cannot happen with a slot per max_num_seqs; never run without one
+                raise RuntimeError(f"no recurrent-state slot for {seq.seq_id!r}: fewer slots than max_num_seqs")
+            seq.state_slot = slot
         self.waiting.popleft()
         self.running.append(seq)
         seq.status, seq.num_computed, seq.num_cached = Status.RUNNING, cached, cached
@@ -208,6 +222,7 @@ class Scheduler:
         """Free seq's pages and send it back to the front of the waiting queue; a chunk already
         placed for it this step is dropped (nothing has run yet)."""
         self.bm.free(seq.seq_id)
+        self._free_state(seq)
         batch[:] = [item for item in batch if item.seq is not seq]
         self.drop_drafts(seq)
         self.running.remove(seq)
@@ -251,12 +266,18 @@ class Scheduler:
         if seq is None:
             return None
         self.bm.free(seq_id)
+        self._free_state(seq)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         return seq
+
+    def _free_state(self, seq: Sequence) -> None:
+        if self.states is not None:
+            self.states.free(seq.seq_id)
+        seq.state_slot = -1
 
     def abort(self, seq_id: str) -> Sequence | None:
         return self.finish(seq_id, "abort")

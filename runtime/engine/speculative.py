@@ -268,8 +268,9 @@ class FastDrafter:
     exact values before anything reads them, and a page given back is private and unregistered
     (pages.py: `truncate` above the committed length), so no other sequence ever sees a draft's K/V."""
 
-    def __init__(self, runner: Runner, pages: PageManager, vocab_size: int, eos_ids: frozenset[int]):
-        self.runner, self.pages, self.vocab, self.eos_ids = runner, pages, vocab_size, eos_ids
+    def __init__(self, runner: Runner, pages: PageManager, vocab_size: int, eos_ids: frozenset[int], slots=None):
+        """slots: a hybrid model's recurrent-state slots (runtime/engine/state_pool.py), or None."""
+        self.runner, self.pages, self.vocab, self.eos_ids, self.slots = runner, pages, vocab_size, eos_ids, slots
 
     def release(self, seq_id: str) -> None:
         pass
@@ -286,11 +287,17 @@ class FastDrafter:
             p = state.params
             stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
             runs[sid] = (end, slots, [ids[-1]], stops, self.pages.block_table(sid))  # pages fixed while drafting
+        # a hybrid model's drafting steps run its recurrence over the drafts too: its state is put back after
+        states = self.runner.pool.states if self.slots is not None else None
+        held = [self.slots.slot(sid) for sid in runs] if states is not None else []
+        saved = states.save(held) if held else None
         try:
             return {sid: Proposal(d) for sid, d in self._draft(runs).items()}
         finally:  # the reserved slots go back whatever happened
             for sid, (end, *_) in runs.items():
                 self.pages.truncate(sid, end)
+            if saved is not None:
+                states.load(held, saved)
 
     def _draft(self, runs: dict) -> dict[str, list[int]]:
         """One batched fast single-token step per draft: runs[sid] = (its length, reserved slots, its
@@ -302,7 +309,8 @@ class FastDrafter:
             for sid in live:
                 end, slots, toks, _, table = runs[sid]
                 i = len(drafts[sid])
-                chunks.append(Chunk([toks[i]], end + i, [slots[i]], table))
+                chunks.append(Chunk([toks[i]], end + i, [slots[i]], table,
+                                    state_slot=-1 if self.slots is None else self.slots.slot(sid)))
             logits = mask_padding(self.runner.run(chunks, False), self.vocab)  # [len(live), V]
             nxt = []
             for sid, tok in zip(live, logits.argmax(-1).tolist()):

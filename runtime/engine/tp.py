@@ -275,7 +275,7 @@ def _worker(index: int, world: int, init: str, path: str, weights: str, dtype: s
                 if body["pool"] != pool_key:  # rank 0's engine made a pool: the same pages, this rank's heads
                     fmt, pages, page_size = pool_key = body["pool"]
                     c = model.config
-                    pool = KVPool(parse_kv_format(fmt), c.n_layers, model.kv_heads, c.head_dim, pages, page_size)
+                    pool = KVPool(parse_kv_format(fmt), c.n_kv_layers, model.kv_heads, c.head_dim, pages, page_size)
                 tokens, batch, exact = _unpack_step(body)
                 model.forward_paged(tokens, batch, pool, exact)
     dist.destroy_process_group()

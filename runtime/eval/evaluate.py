@@ -22,6 +22,7 @@ from lowbit.quant.kv import KV_FORMATS
 from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.kv_cache import KVPool
 from lowbit.runtime.engine.runner import Chunk, Runner
+from lowbit.runtime.engine.state_cache import StateCache
 
 PAGE = EngineConfig().page_size  # tokens per KV page, as the engine's
 
@@ -74,11 +75,12 @@ def window_logprobs(model, ids: list[int], kv: str) -> torch.Tensor:
     c = model.config
     T = len(ids)
     n_pages = -(-T // PAGE)
-    pool = KVPool(KV_FORMATS[kv], c.n_layers, c.n_kv_heads, c.head_dim, num_pages=n_pages, page_size=PAGE,
-                  device=model.device)
+    states = StateCache(c, 1, model.device) if c.deltanet is not None else None  # a hybrid model's one slot
+    pool = KVPool(KV_FORMATS[kv], c.n_kv_layers, c.n_kv_heads, c.head_dim, num_pages=n_pages, page_size=PAGE,
+                  device=model.device, states=states)
     pages = list(range(n_pages))[::-1]
     slots = [pages[p // PAGE] * PAGE + p % PAGE for p in range(T)]
-    logits = Runner(model, pool).run([Chunk(ids, 0, slots, pages, logits=T)], exact=True)  # [T, V]
+    logits = Runner(model, pool).run([Chunk(ids, 0, slots, pages, logits=T, state_slot=0)], exact=True)  # [T, V]
     return logits.float().log_softmax(-1).cpu()
 
 
@@ -146,7 +148,7 @@ def evaluate(reference, variants: list[Variant], ids: list[int], ctx: int = 512,
     rows = []
     for v, sc in zip(variants, scores):
         s = sc.summary()
-        kv_bytes = v.kv_bytes_per_token or KV_FORMATS[v.kv].bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim)
+        kv_bytes = v.kv_bytes_per_token or KV_FORMATS[v.kv].bytes_per_token(c.n_kv_layers, c.n_kv_heads, c.head_dim)
         rows.append(Row(v.name, v.kv, v.weight_bytes, 8 * v.weight_bytes / ref_elems, kv_bytes, s["ppl"],
                         s["ppl_stderr"], 100 * (s["ppl"] / base["ppl"] - 1), s["kl_mean"], s["kl_p99"], s["kl_max"],
                         s["top1_pct"], s["tokens"]))
@@ -165,7 +167,7 @@ def llama_cpp_variants(gguf: str, kv_pairs: list[tuple[str, str]], config, ctx: 
     import numpy as np
 
     out = []
-    per_val = config.n_layers * config.n_kv_heads * config.head_dim
+    per_val = config.n_kv_layers * config.n_kv_heads * config.head_dim
     for k, v in kv_pairs:
         llm = llama_cpp.Llama(gguf, n_ctx=ctx, n_batch=ctx, logits_all=True, flash_attn=True, verbose=False,
                               type_k=LLAMA_CPP_KV[k][0], type_v=LLAMA_CPP_KV[v][0], n_threads=threads)

@@ -131,15 +131,26 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
         return lambda: (lambda v: v if rows is None else v[rows])(
             to_float_tensor(f.read(t), t.tensor_type, (int(t.n_elements),)))
 
-    def matrix(name: str, spec: WeightSpec | None, rows: torch.Tensor | None = None, shape: tuple[int, int] | None = None):
-        """shape: the (N, K) the config implies; a file that disagrees fails here, not mid-load."""
+    def matrix(name: str, spec: WeightSpec | None, rows: torch.Tensor | None = None, shape: tuple[int, int] | None = None,
+               expert: int | None = None):
+        """shape: the (N, K) the config implies; a file that disagrees fails here, not mid-load. expert: the
+        matrix is expert `expert` of a 3-D tensor [E, N, K] (ggml order (K, N, E)), whose bytes are E
+        matrices one after another: that one is read, and packed, as a matrix of its own."""
         t = tensor(name)
-        if len(t.shape) != 2:
-            raise LowbitError(f"{path}: tensor {name} has shape {list(t.shape)}, expected a matrix")
+        if len(t.shape) != (2 if expert is None else 3):
+            raise LowbitError(f"{path}: tensor {name} has shape {list(t.shape)}, expected "
+                              f"{'a matrix' if expert is None else 'one matrix per expert'}")
         K, N = int(t.shape[0]), int(t.shape[1])
         if shape is not None and (N, K) != shape:
             raise LowbitError(f"{path}: tensor {name} is {N}x{K} (rows x cols), but the metadata implies "
                               f"{shape[0]}x{shape[1]}")
+        if expert is not None:
+            E = int(t.shape[2])
+            if expert >= E:
+                raise LowbitError(f"{path}: tensor {name} holds {E} experts, but the metadata implies more")
+            nb = t.n_bytes // E
+            t = replace(t, shape=(K, N), n_elements=K * N, n_bytes=nb, data_offset=t.data_offset + expert * nb,
+                        data=t.data[expert * nb:(expert + 1) * nb])
 
         def make():
             if spec is None and t.tensor_type in LOSSLESS and K % 32 == 0:  # left in the file until packed
@@ -164,38 +175,86 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
         make["rope_freqs"] = vector("rope_factors_short.weight")
     q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     q_rows, k_rows = _qk_rows(c)
+    head_order = rotary_row_order(c.head_dim, c.rotary_dim)
+    if fam.gated_attention:  # rows of attn_q [H * 2D, dim]: each head's query (in rotary order), then its gate
+        D, base = c.head_dim, 2 * c.head_dim * torch.arange(c.n_heads)[:, None]  # [H, 1]
+        gated_rows = ((base + (torch.arange(D) if head_order is None else head_order)).reshape(-1),
+                      (base + D + torch.arange(D)).reshape(-1))
     for i in range(c.n_layers):
         p, b = f"layers.{i}.", f"blk.{i}."
         make[p + "attn_norm"] = vector(b + "attn_norm.weight", c.dim)
-        make[p + "ffn_norm"] = vector(b + "ffn_norm.weight", c.dim)
-        if fam.qk_norm:
-            make[p + "q_norm"] = vector(b + "attn_q_norm.weight", c.head_dim)
-            make[p + "k_norm"] = vector(b + "attn_k_norm.weight", c.head_dim)
+        # llama.cpp names the MLP's norm of its hybrid families (qwen35, qwen35moe) post_attention_norm
+        norm = "post_attention_norm" if fam.recurrent else fam.gguf_ffn_norm
+        make[p + "ffn_norm"] = vector(b + norm + ".weight", c.dim)
+        if fam.qk_norm and not c.is_recurrent(i):  # in the q/k rows' order (partial rotary reorders them)
+            make[p + "q_norm"] = vector(b + "attn_q_norm.weight", c.head_dim, head_order)
+            make[p + "k_norm"] = vector(b + "attn_k_norm.weight", c.head_dim, head_order)
         if fam.sandwich_norms:
             make[p + "attn_post_norm"] = vector(b + "post_attention_norm.weight", c.dim)
             make[p + "ffn_post_norm"] = vector(b + "post_ffw_norm.weight", c.dim)
-        if b + "attn_qkv.weight" in tensors:  # fused (Phi-3): whole rows of one tensor, split losslessly
+        if c.is_recurrent(i):  # Gated DeltaNet in place of attention (models/deltanet.py)
+            make |= _deltanet_tensors(c, p, b, matrix, vector, target)
+        elif b + "attn_qkv.weight" in tensors:  # fused (Phi-3): whole rows of one tensor, split losslessly
             whole = (q_dim + 2 * kv_dim, c.dim)
             make[p + "wq"] = matrix(b + "attn_qkv.weight", target, _within(q_rows, 0, q_dim), whole)
             make[p + "wk"] = matrix(b + "attn_qkv.weight", target, _within(k_rows, q_dim, kv_dim), whole)
             make[p + "wv"] = matrix(b + "attn_qkv.weight", target, _within(None, q_dim + kv_dim, kv_dim), whole)
+        elif fam.gated_attention:  # attn_q: per head its query's rows, then its gate's (HF's q_proj as is)
+            make[p + "wq"] = matrix(b + "attn_q.weight", target, gated_rows[0], (2 * q_dim, c.dim))
+            make[p + "wq_gate"] = matrix(b + "attn_q.weight", target, gated_rows[1], (2 * q_dim, c.dim))
         else:
             make[p + "wq"] = matrix(b + "attn_q.weight", target, q_rows, (q_dim, c.dim))
+        if not c.is_recurrent(i):
             make[p + "wk"] = matrix(b + "attn_k.weight", target, k_rows, (kv_dim, c.dim))
             make[p + "wv"] = matrix(b + "attn_v.weight", target, None, (kv_dim, c.dim))
-        make[p + "wo"] = matrix(b + "attn_output.weight", target, None, (c.dim, q_dim))
-        if b + "ffn_gate.weight" not in tensors and fam.fused_tensors:  # ffn_up holds [gate; up] (Phi-3)
+            make[p + "wo"] = matrix(b + "attn_output.weight", target, None, (c.dim, q_dim))
+            if b + "attn_output.bias" in tensors:  # gpt-oss
+                make[p + "bo"] = vector(b + "attn_output.bias", c.dim)
+            if fam.sinks:
+                make[p + "sinks"] = vector(b + "attn_sinks.weight", c.n_heads)
+        if c.n_experts:  # the router [E, dim] and E experts, each a slice of ffn_{gate,up,down}_exps
+            make[p + "router"] = matrix(b + "ffn_gate_inp.weight", None, None, (c.n_experts, c.dim))
+            if b + "ffn_gate_inp.bias" in tensors:  # gpt-oss
+                make[p + "router_bias"] = vector(b + "ffn_gate_inp.bias", c.n_experts)
+            I = c.expert_hidden_dim
+            for e in range(c.n_experts):
+                pe = f"{p}experts.{e}."
+                make[pe + "w_gate"] = matrix(b + "ffn_gate_exps.weight", target, None, (I, c.dim), e)
+                make[pe + "w_up"] = matrix(b + "ffn_up_exps.weight", target, None, (I, c.dim), e)
+                make[pe + "w_down"] = matrix(b + "ffn_down_exps.weight", target, None, (c.dim, I), e)
+                for n, size in (("gate", I), ("up", I), ("down", c.dim)):  # gpt-oss: [E, size] each
+                    if f"{b}ffn_{n}_exps.bias" in tensors:
+                        make[f"{pe}b_{n}"] = vector(f"{b}ffn_{n}_exps.bias", c.n_experts * size,
+                                                    e * size + torch.arange(size))
+        elif b + "ffn_gate.weight" not in tensors and fam.fused_tensors:  # ffn_up holds [gate; up] (Phi-3)
             whole = (2 * c.hidden_dim, c.dim)
             make[p + "w_gate"] = matrix(b + "ffn_up.weight", target, _within(None, 0, c.hidden_dim), whole)
             make[p + "w_up"] = matrix(b + "ffn_up.weight", target, _within(None, c.hidden_dim, c.hidden_dim), whole)
         else:
             make[p + "w_gate"] = matrix(b + "ffn_gate.weight", target, None, (c.hidden_dim, c.dim))
             make[p + "w_up"] = matrix(b + "ffn_up.weight", target, None, (c.hidden_dim, c.dim))
-        make[p + "w_down"] = matrix(b + "ffn_down.weight", target, None, (c.dim, c.hidden_dim))
+        if not c.n_experts:
+            make[p + "w_down"] = matrix(b + "ffn_down.weight", target, None, (c.dim, c.hidden_dim))
         for n, rows in (("q", q_rows), ("k", k_rows), ("v", None)):
             if f"{b}attn_{n}.bias" in tensors:
                 make[p + "b" + n] = vector(f"{b}attn_{n}.bias", q_dim if n == "q" else kv_dim, rows)
     return config, LazyWeights(make, progress), meta
+
+
+def _deltanet_tensors(c: LlamaConfig, p: str, b: str, matrix, vector, target) -> dict[str, Callable[[], Any]]:
+    """A Gated DeltaNet layer's tensors as llama.cpp's converter writes them (conversion/qwen.py): in_proj_qkv
+    as attn_qkv, in_proj_z as attn_gate, the conv [C, K] squeezed, A already -exp(A_log) (ssm_a), dt_bias as
+    ssm_dt.bias, and the value heads tiled (config.deltanet.v_tiled: the layer maps heads, nothing is moved)."""
+    d = c.deltanet
+    v_dim = d.v_heads * d.v_dim
+    return {p + "ssm_qkv": matrix(b + "attn_qkv.weight", target, None, (d.conv_dim, c.dim)),
+            p + "ssm_z": matrix(b + "attn_gate.weight", target, None, (v_dim, c.dim)),
+            p + "ssm_beta": matrix(b + "ssm_beta.weight", target, None, (d.v_heads, c.dim)),
+            p + "ssm_alpha": matrix(b + "ssm_alpha.weight", target, None, (d.v_heads, c.dim)),
+            p + "ssm_out": matrix(b + "ssm_out.weight", target, None, (c.dim, v_dim)),
+            p + "ssm_conv": vector(b + "ssm_conv1d.weight", d.conv_dim * d.conv_taps),
+            p + "ssm_dt": vector(b + "ssm_dt.bias", d.v_heads), p + "ssm_a": vector(b + "ssm_a", d.v_heads),
+            p + "ssm_norm": vector(b + "ssm_norm.weight", d.v_dim)}
 
 
 def _qk_rows(c: LlamaConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -80,6 +80,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
             tokenizer = Tokenizer.from_hf_dir(path)
         except ValueError as e:
             raise LowbitError(f"{path}: {e}") from None
+        _check_fits(path, _hf_tensors(path), spec, backend, shard)
         n_layers = _hf_layers(path)
         update, close = _progress_bar(n_layers, f"loading {path.name}", progress)
         try:
@@ -97,6 +98,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         from lowbit.runtime.load.gguf import load_gguf
 
         gguf = GGUFFile(path)
+        _check_fits(path, [(t.n_elements, len(t.shape) > 1, t.n_bytes) for t in gguf.tensors], spec, backend, shard)
         meta = gguf.metadata
         arch = meta.get("general.architecture")
         # the bar runs while the model is built: its weights are read then, a layer at a time (load_gguf)
@@ -129,6 +131,39 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
             close()
     del w
     return LoadedModel(model, tokenizer, config, path, source, used, time.perf_counter() - t0)
+
+
+def _check_fits(path: Path, tensors: list[tuple[int, bool, int]], spec, backend, shard) -> None:
+    """One line and no load when the weights cannot fit (runtime/load/fits.py). tensors: (elements, whether
+    a matrix, bytes in the file); a GGUF kept as it is (spec None) holds the file's bytes, else a matrix
+    takes the layout's bytes and a vector fp32."""
+    from lowbit.runtime.load.fits import check_fits, spec_bytes
+
+    needed = sum(b if spec is None else spec_bytes(n, spec) if matrix else 4 * n for n, matrix, b in tensors)
+    try:
+        check_fits(path.name, needed // (shard.world if shard is not None else 1), str(backend.device))
+    except ValueError as e:
+        raise LowbitError(str(e)) from None
+
+
+def _hf_tensors(path: Path) -> list[tuple[int, bool, int]]:
+    """(elements, whether a matrix, bytes) of each tensor in a checkpoint's shards, from the headers."""
+    import math
+
+    from safetensors import safe_open
+
+    from lowbit.runtime.load.safetensors import shard_files
+
+    out = []
+    try:
+        for f in shard_files(path):
+            with safe_open(f, framework="pt") as h:
+                for name in h.keys():
+                    shape = h.get_slice(name).get_shape()
+                    out.append((math.prod(shape), len(shape) > 1, 0))
+    except Exception:  # an unreadable checkpoint: the loader itself says what is wrong, in its own words
+        return []
+    return out
 
 
 def _hf_layers(path: Path) -> int:

@@ -62,7 +62,15 @@ FUSED = MappingProxyType({"wq": ("self_attn.qkv_proj.weight", 0), "wk": ("self_a
 # Multimodal wrappers (Gemma 3 4B+, Mistral 3): the language model's tensors sit under one of these, and the
 # vision tower's are not the language model's
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
-VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
+                   "model.visual.",  # Qwen3.5's
+                   "mtp.")  # not vision: Qwen3.5's multi-token-prediction block, which lowbit does not run
+# Qwen3.5's Gated DeltaNet layers (models/deltanet.py): lowbit name → HF name inside `model.layers.{i}.`
+DELTANET = MappingProxyType({"ssm_qkv": "linear_attn.in_proj_qkv.weight", "ssm_z": "linear_attn.in_proj_z.weight",
+                             "ssm_beta": "linear_attn.in_proj_b.weight", "ssm_alpha": "linear_attn.in_proj_a.weight",
+                             "ssm_out": "linear_attn.out_proj.weight", "ssm_conv": "linear_attn.conv1d.weight",
+                             "ssm_dt": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
+                             "ssm_norm": "linear_attn.norm.weight"})
 # Buffers some older checkpoints saved alongside the weights; recomputed from config, never read.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = MappingProxyType({"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -211,11 +219,19 @@ def _plan(c: LlamaConfig, prefix: str, packed: PackedSpec | None = None,
         hp, lp = f"{prefix}layers.{i}.", f"layers.{i}."
         norms = SANDWICH_NORMS if fam.sandwich_norms else LAYER_VECTORS
         plan += [(lp + n, hp + hf, (D,), "norm", None) for n, hf in norms.items()]
-        if fam.qk_norm:
-            plan += [(lp + n, hp + hf, (c.head_dim,), "norm", None) for n, hf in QK_NORMS.items()]
+        if fam.qk_norm:  # the q/k rows' order within a head (partial rotary) is the norms' order too
+            plan += [(lp + n, hp + hf, (c.head_dim,), "norm", order) for n, hf in QK_NORMS.items()]
+        if fam.gated_attention:  # q_proj's rows per head: the query's head_dim rows, then its gate's
+            q_rows = 2 * c.head_dim * torch.arange(c.n_heads)[:, None]  # [H, 1]
+            query = (q_rows + (torch.arange(c.head_dim) if order is None else order)).reshape(-1)
+            plan += [(lp + "wq", hp + LAYER_MATRICES["wq"], (2 * Dq, D), "matrix", query),
+                     (lp + "wq_gate", hp + LAYER_MATRICES["wq"], (2 * Dq, D), "matrix",
+                      (q_rows + c.head_dim + torch.arange(c.head_dim)).reshape(-1))]
         fused = fam.fused_tensors and where is not None and hp + FUSED["wq"][0] in where
         for n, hf in LAYER_MATRICES.items():
             module = hp + hf.removesuffix(".weight")
+            if n == "wq" and fam.gated_attention:
+                continue
             if fused and n in FUSED:
                 name, part = FUSED[n]
                 sizes = parts[name]
@@ -229,6 +245,65 @@ def _plan(c: LlamaConfig, prefix: str, packed: PackedSpec | None = None,
                 plan.append((lp + n, hp + hf, mats[n], "matrix", own.get(n)))
         if c.qkv_bias:
             plan += [(lp + n, hp + hf, biases[n], "vector", own.get(n)) for n, hf in LAYER_BIASES.items()]
+        if where is not None and hp + "self_attn.o_proj.bias" in where:  # gpt-oss
+            plan.append((lp + "bo", hp + "self_attn.o_proj.bias", (D,), "vector", None))
+        if fam.sinks:
+            plan.append((lp + "sinks", hp + "self_attn.sinks", (c.n_heads,), "vector", None))
+        if c.n_experts:
+            plan = [p for p in plan if p[0] not in (lp + "w_gate", lp + "w_up", lp + "w_down")]
+            plan += _expert_plan(c, hp, lp, where)
+        if c.is_recurrent(i):  # Gated DeltaNet in place of attention: its own tensors; the norms and MLP stay
+            attention = {lp + n for n in ("wq", "wk", "wv", "wo", "wq_gate", "q_norm", "k_norm", "bq", "bk", "bv")}
+            plan = [p for p in plan if p[0] not in attention] + _deltanet_plan(c, hp, lp)
+    return plan
+
+
+def _deltanet_plan(c: LlamaConfig, hp: str, lp: str) -> list:
+    """A Gated DeltaNet layer's tensors (its norms and MLP are the block's): the projections as matrices, the
+    conv [C, 1, K], dt_bias and the gated norm's weight as stored (the norm multiplies by w, not 1 + w), and
+    A_log as A = -exp(A_log) (kind "neg_exp"), which is what llama.cpp's converter stores and the layer uses."""
+    d, D = c.deltanet, c.dim
+    Vd = d.v_heads * d.v_dim
+    shapes = {"ssm_qkv": (d.conv_dim, D), "ssm_z": (Vd, D), "ssm_beta": (d.v_heads, D), "ssm_alpha": (d.v_heads, D),
+              "ssm_out": (D, Vd), "ssm_conv": (d.conv_dim, 1, d.conv_taps), "ssm_dt": (d.v_heads,),
+              "ssm_a": (d.v_heads,), "ssm_norm": (d.v_dim,)}
+    kinds = {"ssm_conv": "vector", "ssm_dt": "vector", "ssm_a": "neg_exp", "ssm_norm": "vector"}
+    return [(lp + n, hp + hf, shapes[n], kinds.get(n, "matrix"), None) for n, hf in DELTANET.items()]
+
+
+def _expert_plan(c: LlamaConfig, hp: str, lp: str, where: dict | None) -> list:
+    """A mixture-of-experts layer's router (kept in float: kind "router"; gpt-oss's has a bias) and its
+    experts' matrices and biases (kind "expert", rows = (expert, take): `take` turns that expert's slice of a
+    3-D tensor into lowbit's [N, K] matrix or vector). transformers 5 saves a layer's experts as two 3-D
+    tensors: Qwen3-MoE's gate_up_proj [E, 2I, D] (gate rows first) and down_proj [E, D, I]; gpt-oss's
+    transposed, gate_up_proj [E, D, 2I] with gate and up columns alternating, down_proj [E, I, D], and a
+    bias for each. The hub's Qwen3-MoE checkpoints (transformers 4) have one module per expert instead."""
+    E, I, D = c.n_experts, c.expert_hidden_dim, c.dim
+    router = hp + ("mlp.router." if where is not None and hp + "mlp.router.weight" in where else "mlp.gate.")
+    plan = [(lp + "router", router + "weight", (E, D), "router", None)]
+    if where is not None and router + "bias" in where:
+        plan.append((lp + "router_bias", router + "bias", (E,), "vector", None))
+    stacked = where is None or hp + "mlp.experts.gate_up_proj" in where
+    gate_up, down = hp + "mlp.experts.gate_up_proj", hp + "mlp.experts.down_proj"
+    biased = where is not None and gate_up + "_bias" in where
+    for e in range(E):
+        le = f"{lp}experts.{e}."
+        if stacked and biased:  # gpt-oss: [D, 2I] per expert, columns gate, up, gate, up, …
+            plan += [(le + "w_gate", gate_up, (E, D, 2 * I), "expert", (e, lambda t: t[:, 0::2].T)),
+                     (le + "w_up", gate_up, (E, D, 2 * I), "expert", (e, lambda t: t[:, 1::2].T)),
+                     (le + "w_down", down, (E, I, D), "expert", (e, lambda t: t.T)),
+                     (le + "b_gate", gate_up + "_bias", (E, 2 * I), "expert", (e, lambda t: t[0::2])),
+                     (le + "b_up", gate_up + "_bias", (E, 2 * I), "expert", (e, lambda t: t[1::2])),
+                     (le + "b_down", down + "_bias", (E, D), "expert", (e, lambda t: t))]
+        elif stacked:
+            plan += [(le + "w_gate", gate_up, (E, 2 * I, D), "expert", (e, lambda t: t[:I])),
+                     (le + "w_up", gate_up, (E, 2 * I, D), "expert", (e, lambda t: t[I:])),
+                     (le + "w_down", down, (E, D, I), "expert", (e, lambda t: t))]
+        else:
+            he = f"{hp}mlp.experts.{e}."
+            plan += [(le + "w_gate", he + "gate_proj.weight", (I, D), "matrix", None),
+                     (le + "w_up", he + "up_proj.weight", (I, D), "matrix", None),
+                     (le + "w_down", he + "down_proj.weight", (D, I), "matrix", None)]
     return plan
 
 
@@ -297,15 +372,24 @@ def _convert(c: LlamaConfig, plan, where: dict, target: WeightSpec, progress,
             _progress(progress, layer_of, j)
             continue
         f, handle = where[name]
-        t = handle.get_tensor(name)  # source dtype (bf16/fp16/fp32); the quantizer takes it as is
+        if kind == "expert":  # one expert's matrix or bias, of a 3-D (2-D) tensor: read that slice only
+            e, take = rows
+            t, rows = take(handle.get_slice(name)[e]).contiguous(), None
+            kind = "vector" if t.dim() == 1 else "matrix"
+        else:
+            t = handle.get_tensor(name)  # source dtype (bf16/fp16/fp32); the quantizer takes it as is
         if not t.is_floating_point():
             raise LowbitError(f"{f}: tensor {name} has dtype {t.dtype}, expected a float tensor")
         if rows is not None:
             t = t[rows]
-        if kind == "norm" and plus_one:
+        if kind == "router":  # tiny (E x dim) and it decides which experts run: kept as stored
+            weights[lname] = to_float(t, parse_weights("f32"))
+        elif kind == "norm" and plus_one:
             weights[lname] = (1.0 + t.float()).contiguous()  # transformers: output * (1.0 + weight.float())
         elif kind in ("vector", "norm"):
             weights[lname] = t.float().contiguous()
+        elif kind == "neg_exp":  # transformers: -self.A_log.float().exp()
+            weights[lname] = -t.float().exp()
         else:
             weights[lname] = quantize_weight(t, head_spec if kind == "head" else target)
         del t

@@ -44,6 +44,7 @@ from lowbit.runtime.engine.embedder import embed
 from lowbit.runtime.engine.sampler import MAX_LOGPROBS
 from lowbit.runtime.server.body import decode_json
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
+from lowbit.runtime.server.harmony import is_harmony
 from lowbit.runtime.server.reply import think_tags
 from lowbit.runtime.server.request import Parsed
 from lowbit.runtime.server.response import call_id, replies
@@ -138,11 +139,7 @@ def _weight_bytes(model) -> int:
 
 
 def _parameter_count(c) -> int:
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    layer = c.dim * (q + 2 * kv) + q * c.dim + 3 * c.dim * c.hidden_dim + 2 * c.dim
-    if c.qkv_bias:
-        layer += q + 2 * kv
-    return c.vocab_size * c.dim * (1 if c.tie_embeddings else 2) + c.n_layers * layer + c.dim
+    return c.parameters()[0]
 
 
 def _human_number(n: int) -> str:
@@ -203,7 +200,8 @@ def _card(served, since: str) -> _Card:
 
 def _capabilities(served) -> list[str]:
     caps = ["completion", "tools", "embedding"]
-    if think_tags(getattr(served.tokenizer, "chat_template", None)) is not None:
+    template = getattr(served.tokenizer, "chat_template", None)
+    if think_tags(template) is not None or is_harmony(template):  # harmony: its analysis channel
         caps.append("thinking")
     return caps
 
@@ -549,6 +547,8 @@ def add_ollama_routes(app: FastAPI, core) -> None:
             chat_body["tools"] = body["tools"]
         if isinstance(body.get("think"), bool):  # Qwen3's and SmolLM3's templates switch thinking by this
             chat_body["chat_template_kwargs"] = {"enable_thinking": body["think"]}
+        elif body.get("think") is not None:  # a level: gpt-oss's template reads it as reasoning_effort
+            chat_body["chat_template_kwargs"] = {"reasoning_effort": body["think"]}
         top = _logprobs(body)
         parsed = _fit(state.parser.chat(chat_body), served.max_model_len, num_predict, top)
         gen = _Generation(core, served, parsed, t0)

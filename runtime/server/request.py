@@ -16,6 +16,7 @@ from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
 from lowbit.runtime.load.chat_template import REASONING_FIELDS
 from lowbit.runtime.server.body import decode_json
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
+from lowbit.runtime.server.harmony import harmony_history, is_harmony
 from lowbit.runtime.server.reply import think_tags
 from lowbit.runtime.server.tools import ToolPlan, history_message, parse_tools, prompt_messages
 from lowbit.runtime.engine.sampler import MAX_LOGPROBS, SamplingParams
@@ -39,7 +40,11 @@ _IGNORED = {"user", "store", "metadata", "service_tier"}
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "stop", "logit_bias", "logprobs",
            "response_format", "ignore_eos", *_SAMPLING, *_IGNORED}  # ignore_eos: vLLM's and llama.cpp's extension
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-                         "function_call", "parallel_tool_calls", "chat_template_kwargs", *_COMMON})
+                         "function_call", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
+                         *_COMMON})
+# OpenAI's reasoning_effort values; the template reads the one given as `reasoning_effort` (gpt-oss's writes
+# "Reasoning: low" into its system message, and was trained on low, medium and high)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # chat_template_kwargs (vLLM's and llama-server's extension): extra variables for the template, such as
 # Qwen3's enable_thinking; never the ones the server itself sets
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
@@ -71,6 +76,7 @@ class Parsed:
     tools: ToolPlan | None = None  # the request's tools: how to read calls out of the reply
     think: tuple[str, str] | None = None  # the template's think tags: a leading block in them is reasoning
     in_think: bool = False  # the prompt itself opened the think block
+    harmony: bool = False  # the template writes gpt-oss's harmony format: server/harmony.py reads the reply
 
 
 class RequestParser:
@@ -99,8 +105,10 @@ class RequestParser:
         self._unsupported(body, chat=True)
         template = getattr(self.tok, "chat_template", None)
         plan = parse_tools(body, template)
-        messages, tools = prompt_messages(self._messages(body), plan)
-        extra = _template_kwargs(body)
+        harmony = is_harmony(template)
+        history = self._messages(body)
+        messages, tools = prompt_messages(harmony_history(history) if harmony else history, plan)
+        extra = {**_reasoning_effort(body, template), **_template_kwargs(body)}
         try:
             ids = self.tok.encode_chat(messages, add_generation_prompt=True, **extra,
                                        **({"tools": tools} if tools else {}))
@@ -125,7 +133,9 @@ class RequestParser:
                 raise bad_request("response_format cannot be combined with tool_choice 'required', a named "
                                   "function, or tools on a template without tool support", "response_format")
             parsed = replace(parsed, schema=plan.schema)
-        return replace(parsed, tools=plan, think=think, in_think=in_think)
+        if harmony:  # its channel markers are special tokens the reply parser must see
+            parsed = replace(parsed, params=[replace(p, skip_special_tokens=False) for p in parsed.params])
+        return replace(parsed, tools=plan, think=think, in_think=in_think, harmony=harmony)
 
     def completion(self, body: dict) -> Parsed:
         self._unsupported(body, chat=False)
@@ -160,8 +170,11 @@ class RequestParser:
             gen = body.get("add_generation_prompt", True)
             if not isinstance(gen, bool):
                 raise bad_request("add_generation_prompt must be a boolean", "add_generation_prompt")
+            messages = self._messages(body)
+            if is_harmony(getattr(self.tok, "chat_template", None)):
+                messages = harmony_history(messages)
             try:
-                return self.tok.encode_chat(self._messages(body), add_generation_prompt=gen)
+                return self.tok.encode_chat(messages, add_generation_prompt=gen)
             except ValueError as e:
                 raise bad_request(str(e), "messages") from None
         key = "prompt" if "prompt" in body else "content"
@@ -336,6 +349,17 @@ class RequestParser:
             if param == "max_tokens":
                 param = max_key
             raise bad_request(msg, param) from None
+
+
+def _reasoning_effort(body: dict, template: str | None) -> dict:
+    """reasoning_effort as the template variable of that name, for a template that reads it (others are
+    handed nothing new); chat_template_kwargs may still override it."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return {}
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+    return {"reasoning_effort": effort} if "reasoning_effort" in (template or "") else {}
 
 
 def _template_kwargs(body: dict) -> dict:

@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable
 
 from lowbit.runtime.engine.engine import Delta, Usage
 from lowbit.runtime.server.errors import APIError
+from lowbit.runtime.server.harmony import HarmonyParser
 from lowbit.runtime.server.reply import ReplyParser
 from lowbit.runtime.server.request import Parsed
 
@@ -27,12 +28,15 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def reply_parser(req: Parsed) -> ReplyParser:
+def reply_parser(req: Parsed) -> ReplyParser | HarmonyParser:
     """How a choice's text is read: plain for /v1/completions; for chat, the request's tool mode and
-    the template's think tags."""
+    the template's think tags, or gpt-oss's harmony messages. A reply the grammar holds to JSON
+    (response_format, tool_choice required or a named function) is JSON in every format."""
     if not req.chat:
         return ReplyParser(None)
     plan = req.tools
+    if req.harmony and req.schema is None:
+        return HarmonyParser(calls=plan is not None and plan.mode == "harmony")
     return ReplyParser(plan.mode if plan else None, req.think, req.in_think, plan.named if plan else None)
 
 

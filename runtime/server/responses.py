@@ -32,7 +32,7 @@ from lowbit.runtime.server.response import call_id, replies
 # Responses API has no seed or stop, which reproducible and bounded replies need)
 _PASSED = ("temperature", "top_p", "parallel_tool_calls", "stream", "seed", "stop", "top_k", "min_p",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos")
-# accepted and without effect here
+# accepted and without effect here (of `reasoning`, only its effort has one: the chat's reasoning_effort)
 _IGNORED = ("store", "metadata", "user", "reasoning", "truncation", "service_tier", "stream_options",
             "max_tool_calls", "prompt_cache_key", "safety_identifier")
 # need a stored response or a later poll, which a stateless server cannot give
@@ -41,7 +41,7 @@ RESPONSES_FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_c
                               "include", "top_logprobs", *_PASSED, *_IGNORED, *_STATEFUL})
 # a chat-completions param → the Responses field it was made from
 _PARAM = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-          "response_format": "text"}
+          "response_format": "text", "reasoning_effort": "reasoning"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the text's logprobs
 
@@ -54,7 +54,8 @@ def _renamed(e: APIError) -> APIError:
     """A chat parser's error in the Responses API's names."""
     if e.param in _PARAM:
         e.param = _PARAM[e.param]
-        for chat, ours in (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format")):
+        for chat, ours in (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
+                           ("reasoning_effort", "reasoning.effort")):
             e.message = e.message.replace(chat, ours)
     return e
 
@@ -255,6 +256,8 @@ def chat_body(body: dict) -> tuple[dict, dict]:
         chat["tool_choice"] = choice
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
+    if isinstance(body.get("reasoning"), dict) and body["reasoning"].get("effort") is not None:
+        chat["reasoning_effort"] = body["reasoning"]["effort"]
     if fmt is not None:
         chat["response_format"] = fmt
     if LOGPROBS in include:

@@ -7,6 +7,8 @@ Formats (how the model's own template teaches it to call):
 - `llama3_json`: a bare `{"name": …, "parameters": {…}}` reply, optionally after `<|python_tag|>`
   (Llama 3.1-3.3);
 - `mistral`: `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`;
+- `harmony`: gpt-oss's messages, a call being one to `functions.NAME` on the commentary channel
+  (server/harmony.py, which also reads the reply);
 - `generic`: templates that know nothing of tools (the default model's): the tools are described in
   a system message and the whole reply is JSON, either `{"tool_calls": [{"name", "arguments"}, …]}`
   or `{"response": "…"}`, constrained by the grammar so that it always parses (llama.cpp's
@@ -25,8 +27,9 @@ import re
 from dataclasses import dataclass, field, replace
 
 from lowbit.runtime.server.errors import bad_request
+from lowbit.runtime.server.harmony import is_harmony
 
-FORMATS = ("hermes", "llama3_json", "mistral", "generic")
+FORMATS = ("hermes", "llama3_json", "mistral", "harmony", "generic")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule for function names
 
 
@@ -68,6 +71,8 @@ class ToolPlan:
 def template_format(template: str | None) -> str:
     """The tool-call format a chat template teaches, from its source text."""
     src = template or ""
+    if is_harmony(src):
+        return "harmony"
     if "<tool_call>" in src:
         return "hermes"
     if "[TOOL_CALLS]" in src:
@@ -158,7 +163,7 @@ def lazy_grammar(plan: ToolPlan) -> tuple[str, str] | None:
     """(trigger, Lark grammar of what follows it) for `auto` in a native format: free text until the
     model opens a call, then the call held to the functions' schemas. None where the reply is
     constrained whole, free, or the format has no opening marker (a bare Llama 3 JSON reply)."""
-    if plan.choice != "auto" or plan.format == "generic":
+    if plan.choice != "auto" or plan.format in ("generic", "harmony"):  # harmony: the call has no fixed opening
         return None
     one = {"anyOf": [_call_schema(t) for t in plan.tools]}
     if plan.format == "hermes":

@@ -18,6 +18,11 @@ Shapes (the vocabulary is the default model's tokenizer, 49,152 tokens, whose me
     gemma3-4b  Gemma-3-4B's (architecture gemma3): dim 2560, 34 layers, 8 / 4 heads of 256, q/k norms,
           four norms a block, GeGLU, tied, 5 local layers (window 1024) per global one
     4b    the same shapes as gemma3-4b as a plain Llama block: its same-bytes twin
+    qwen3-30b-a3b  Qwen3-30B-A3B's (architecture qwen3moe), 8 of its 48 layers: dim 2048, 32 / 4 heads of
+          128 with q/k norms, 128 experts of 768 columns, 8 per token (F32 router), untied, rope base 1e6
+    gpt-oss-20b  gpt-oss-20b's (architecture gpt-oss), 4 of its 24 layers: dim 2880, 64 / 8 heads of 64 with
+          sinks and biases, window 128 on every other layer, 32 experts of 2880 columns (biases), 4 per
+          token; made for MXFP4_MOE (experts MXFP4 as llama.cpp's quantizer writes them, the rest Q8_0)
 
 Weights: seed 0, N(0, 0.02) (norms 1), generated a matrix at a time. Speed and memory depend on the
 shapes and the layouts only; no claim about quality is made on these files.
@@ -43,8 +48,19 @@ SHAPES = {
                       rope_base=1e6, name="Gemma-3-4B", arch="gemma3", qk_norm=True, sandwich=True, window=1024),
     "4b": dict(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, head_dim=256, hidden=10240, tied=True,
                rope_base=1e6, name="Gemma-3-4B shapes as a Llama block"),
+    # mixture of experts: 8 of the real 48 layers (the whole F16 would be 61 GB); per-token ratios do not
+    # depend on the layer count
+    "qwen3-30b-a3b": dict(dim=2048, n_layers=8, n_heads=32, n_kv_heads=4, head_dim=128, hidden=6144, tied=False,
+                          rope_base=1e6, name="Qwen3-30B-A3B (8 of 48 layers)", arch="qwen3moe", qk_norm=True,
+                          experts=(128, 8, 768)),
+    # 4 of gpt-oss-20b's 24 layers: dim 2880, 64 / 8 heads of 64 with sinks and biases, window 128 on every other
+    # layer, 32 experts of 2880 columns with biases, 4 per token; MXFP4_MOE: experts MXFP4, the rest Q8_0
+    "gpt-oss-20b": dict(dim=2880, n_layers=4, n_heads=64, n_kv_heads=8, head_dim=64, hidden=2880, tied=False,
+                        rope_base=150000.0, name="gpt-oss-20b (4 of 24 layers)", arch="gpt-oss", window=128,
+                        experts=(32, 4, 2880), oss=True),
 }
-FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h LLAMA_FTYPE_MOSTLY_*
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,  # llama.h LLAMA_FTYPE_MOSTLY_*
+          "MXFP4_MOE": 38}
 CONTEXT = 8192
 
 
@@ -60,8 +76,13 @@ def _matrices(s: dict) -> list[tuple[str, tuple[int, int]]]:
     for i in range(s["n_layers"]):
         b = f"blk.{i}."
         out += [(b + "attn_q.weight", (H * hd, D)), (b + "attn_k.weight", (Hkv * hd, D)),
-                (b + "attn_v.weight", (Hkv * hd, D)), (b + "attn_output.weight", (D, H * hd)),
-                (b + "ffn_gate.weight", (F, D)), (b + "ffn_up.weight", (F, D)), (b + "ffn_down.weight", (D, F))]
+                (b + "attn_v.weight", (Hkv * hd, D)), (b + "attn_output.weight", (D, H * hd))]
+        if s.get("experts"):  # E matrices each, one 3-D tensor [E, rows, cols]
+            E, _, I = s["experts"]
+            out += [(b + "ffn_gate_exps.weight", (E, I, D)), (b + "ffn_up_exps.weight", (E, I, D)),
+                    (b + "ffn_down_exps.weight", (E, D, I))]
+        else:
+            out += [(b + "ffn_gate.weight", (F, D)), (b + "ffn_up.weight", (F, D)), (b + "ffn_down.weight", (D, F))]
     return out
 
 
@@ -87,6 +108,10 @@ def write_f16(path: Path, shape: str, tokenizer_gguf: Path) -> None:
     w.add_value_length(s["head_dim"])
     if s.get("window"):
         w.add_sliding_window(s["window"])
+    if s.get("experts"):
+        w.add_expert_count(s["experts"][0])
+        w.add_expert_used_count(s["experts"][1])
+        w.add_expert_feed_forward_length(s["experts"][2])
     w.add_rope_freq_base(s["rope_base"])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(1)  # MOSTLY_F16
@@ -101,28 +126,44 @@ def write_f16(path: Path, shape: str, tokenizer_gguf: Path) -> None:
     tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab, D)), ("output_norm.weight", (D,))]
     if not s["tied"]:
         tensors.append(("output.weight", (vocab, D)))
+    oss = s.get("oss")  # gpt-oss: its MLP norm's name, sinks, and biases on attention, router and experts
     for i in range(s["n_layers"]):
-        tensors += [(f"blk.{i}.attn_norm.weight", (D,)), (f"blk.{i}.ffn_norm.weight", (D,))]
+        b = f"blk.{i}."
+        tensors += [(b + "attn_norm.weight", (D,)), (b + ("post_attention_norm" if oss else "ffn_norm") + ".weight", (D,))]
+        if oss:
+            E, _, I = s["experts"]
+            H, Hkv, hd = s["n_heads"], s["n_kv_heads"], s["head_dim"]
+            tensors += [(b + "attn_sinks.weight", (H,)), (b + "attn_q.bias", (H * hd,)), (b + "attn_k.bias", (Hkv * hd,)),
+                        (b + "attn_v.bias", (Hkv * hd,)), (b + "attn_output.bias", (D,)), (b + "ffn_gate_inp.bias", (E,)),
+                        (b + "ffn_gate_exps.bias", (E, I)), (b + "ffn_up_exps.bias", (E, I)),
+                        (b + "ffn_down_exps.bias", (E, D))]
         if s.get("qk_norm"):
             tensors += [(f"blk.{i}.attn_{n}_norm.weight", (s["head_dim"],)) for n in "qk"]
         if s.get("sandwich"):
             tensors += [(f"blk.{i}.post_attention_norm.weight", (D,)), (f"blk.{i}.post_ffw_norm.weight", (D,))]
+        if s.get("experts"):  # the router: F32, as llama.cpp's converter writes it and its quantizer keeps it
+            tensors.append((f"blk.{i}.ffn_gate_inp.weight", (s["experts"][0], D)))
     tensors += _matrices(s)
     F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
+
+    def is_f32(name, shp):
+        return len(shp) == 1 or "ffn_gate_inp" in name or name.endswith(".bias")
+
     for name, shp in tensors:
-        dtype = np.float16 if len(shp) == 2 else np.float32
+        dtype = np.float32 if is_f32(name, shp) else np.float16
         w.add_tensor_info(name, shp, np.dtype(dtype), int(np.prod(shp)) * np.dtype(dtype).itemsize,
-                          raw_dtype=F16 if len(shp) == 2 else F32)
+                          raw_dtype=F32 if is_f32(name, shp) else F16)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for i, (name, shp) in enumerate(tensors):
-        if len(shp) == 1:
-            data = np.ones(shp, np.float32)
+        if len(shp) == 1 or name.endswith(".bias"):  # norms 1; biases and sinks 0 (no claim on quality here)
+            data = np.full(shp, 1.0 if name.endswith("norm.weight") else 0.0, np.float32)
         else:
-            data = np.empty(shp, np.float16)
-            for r in range(0, shp[0], 4096):  # ~4096 rows of f32 at a time
-                data[r:r + 4096] = rng.standard_normal((min(4096, shp[0] - r), shp[1]), dtype=np.float32) * 0.02
+            data = np.empty(shp, np.float32 if is_f32(name, shp) else np.float16)
+            rows = data.reshape(-1, shp[-1])  # [E * N, K] for an expert tensor
+            for r in range(0, rows.shape[0], 4096):  # ~4096 rows of f32 at a time
+                rows[r:r + 4096] = rng.standard_normal((min(4096, rows.shape[0] - r), shp[-1]), dtype=np.float32) * 0.02
         w.write_tensor_data(data)
         print(f"\r  {i + 1}/{len(tensors)} tensors", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)

@@ -1,0 +1,87 @@
+"""The mixture-of-experts MLP (Qwen3-MoE, gpt-oss): a router picks each token's k experts out of E and
+weighs them; each expert is a gated MLP like the dense block's, held in the file's own layout (QuantLinear:
+Q4_K / Q6_K tiles, MXFP4 blocks), with biases where the family has them (gpt-oss).
+
+Only the experts a step's tokens chose are read: a decode token multiplies its k experts' rows and no
+others (Qwen3-30B-A3B: 8 of 128, so ~6% of the expert bytes per token), and a prompt step groups its
+tokens by expert, one pass over each used expert's weights for all the tokens that chose it.
+
+Rows do not depend on their company: the router's logits come from the exact path (kernels/exact_mm.py:
+a row's result is the same at any M, so the same token chooses the same experts alone or in a prompt),
+every expert matmul is a C kernel whose rows are the same at any M, and each token's k outputs are
+added in ascending expert order whatever the grouping — so a token's row is bit-identical at any M and
+any mix of sequences (tests/test_moe.py), as the dense block's is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowbit.models.backend import Backend
+from lowbit.quant.linear import ExactRows, QuantLinear
+
+
+class Expert(nn.Module):
+    """One gated MLP: w_down(act(w_gate x) * w_up x), its gate and up in one kernel call where they fuse."""
+
+    def __init__(self, w: dict, prefix: str, backend: Backend, projections):
+        super().__init__()
+        self.gate_up = projections([w[prefix + "w_gate"], w[prefix + "w_up"]],
+                                   [w.get(prefix + "b_gate"), w.get(prefix + "b_up")], backend)
+        self.w_down = QuantLinear(w[prefix + "w_down"], backend.linear, w.get(prefix + "b_down"))
+
+
+class Experts(nn.Module):
+    def __init__(self, config, w: dict, prefix: str, backend: Backend, projections, act):
+        """w: the layer's weights by name: `router` [E, dim] and `experts.{e}.{w_gate,w_up,w_down}`
+        (runtime/load/gguf.py, safetensors.py); `projections` builds a fused gate+up (models/llama.py);
+        `act` is the block's gated activation (gate, up [M, I]) → [M, I]."""
+        super().__init__()
+        c = config
+        self.k, self.norm_topk, self.act, self.rule = c.n_experts_used, c.norm_topk, act, c.family.experts
+        # [E, dim] (+ bias [E], gpt-oss), F32 in llama.cpp's files
+        self.router = QuantLinear(w[prefix + "router"], backend.linear, w.get(prefix + "router_bias"))
+        self.experts = nn.ModuleList(Expert(w, f"{prefix}experts.{e}.", backend, projections)
+                                     for e in range(c.n_experts))
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [M, dim] → (expert ids int64 [M, k], weights fp32 [M, k]), as transformers computes them.
+        "softmax" (Qwen3-MoE): softmax over all E in fp32, the k largest, divided by their sum (norm_topk);
+        "topk_softmax" (gpt-oss): the k largest logits, softmax over those k."""
+        logits = self.router(h, True, torch.float32)  # [M, E], exact: the same choice at any M
+        if self.rule == "topk_softmax":
+            top, ids = torch.topk(logits, self.k, dim=-1)  # [M, k]
+            return ids, torch.softmax(top, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, self.k, dim=-1)  # [M, k]
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+    def forward(self, h: torch.Tensor, exact, dtype: torch.dtype) -> torch.Tensor:
+        """h [M, dim] (the normed residual) → the weighted sum of each token's k experts, fp32 [M, dim]."""
+        ids, weights = self.route(h)
+        M = h.shape[0]
+        out = torch.zeros(M, h.shape[1], dtype=torch.float32, device=h.device)
+        # the (token, slot) pairs that chose each expert, grouped on the host: a decode step's k experts cost
+        # k matmul calls and no index ops (Qwen3-30B-A3B: 48 layers x 8 experts a token)
+        chose: dict[int, list[tuple[int, int]]] = {}
+        for t, row in enumerate(ids.tolist()):
+            for j, e in enumerate(row):
+                chose.setdefault(e, []).append((t, j))
+        for e in sorted(chose):  # ascending: each token adds its experts in the same order at any M
+            expert = self.experts[e]
+            if M == 1:
+                x, ex, w = h, exact, weights[0, chose[e][0][1]]
+            else:
+                rows = torch.tensor([t for t, _ in chose[e]], device=h.device)
+                x, ex = h[rows], exact.take(rows) if isinstance(exact, ExactRows) else exact
+                w = weights[rows, torch.tensor([j for _, j in chose[e]], device=h.device)][:, None]  # [n, 1]
+            gate, up = expert.gate_up(x, ex)
+            y = expert.w_down(self.act(gate, up), ex, torch.float32) * w  # [n, dim]
+            if M == 1:
+                out += y
+            else:
+                out.index_add_(0, rows, y)
+        return out.to(dtype)
