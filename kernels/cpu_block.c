@@ -114,6 +114,10 @@ static void gated_mul_rows(const float *gate, int64_t sg, const float *up, int64
     for (int64_t m = 0; m < M; m++) gated_mul_n(gate + m * sg, up + m * su, I, out + m * I, gelu);
 }
 
+void lowbit_gated_mul_n(const float *g, const float *u, int64_t n, float *out, int gelu) {
+    gated_mul_n(g, u, n, out, gelu);
+}
+
 void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I, float *out) {
     gated_mul_rows(gate, sg, up, su, M, I, out, 0);
 }
@@ -130,6 +134,7 @@ void lowbit_gelu_tanh_mul(const float *gate, int64_t sg, const float *up, int64_
 typedef struct {
     float *h, *o, *gu;
     void *qmem;
+    void *moe_mem;  /* a mixture of experts' scratch (lowbit_moe_scratch), after qmem; unused by a dense block */
     int64_t M;
 } block_ws;
 
@@ -139,13 +144,15 @@ static int64_t widest_input(const lowbit_block *b) {
 }
 
 static size_t block_ws_bytes(const lowbit_block *b, int64_t M) {
-    return sizeof(float) * (size_t)(M * (2 * b->dim + 2 * b->hidden)) + 64 + lowbit_qact_bytes(M, widest_input(b));
+    return sizeof(float) * (size_t)(M * (2 * b->dim + 2 * b->hidden)) + 64 + lowbit_qact_bytes(M, widest_input(b)) +
+           (b->moe ? lowbit_moe_scratch(b->moe, M, b->moe->k) + 64 : 0);
 }
 
 static void block_ws_init(block_ws *ws, void *mem, const lowbit_block *b, int64_t M) {
     float *f = mem;
     ws->h = f, ws->o = f + M * b->dim, ws->gu = ws->o + M * b->dim;
     ws->qmem = ws->gu + 2 * M * b->hidden;
+    ws->moe_mem = (void *)(((uintptr_t)ws->qmem + lowbit_qact_bytes(M, widest_input(b)) + 63) & ~(uintptr_t)63);
     ws->M = M;
 }
 
@@ -165,10 +172,17 @@ static lowbit_qact qact_for(const block_ws *ws, int64_t K) {
 static int block_check(const lowbit_ctx *c, const lowbit_block *b) {
     const int64_t D = b->head_dim, H = b->n_heads, Hkv = b->n_kv_heads;
     const lowbit_linear *ws[4] = {&b->qkv, &b->o, &b->gate_up, &b->down};
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < (b->moe ? 2 : 4); i++)  /* a mixture of experts has no gate_up and down of its own */
         if (lowbit_linear_check(ws[i], c->isa)) return -1;
-    if (lowbit_linear_rows(&b->qkv) != (H + 2 * Hkv) * D || b->qkv.K != b->dim || lowbit_linear_rows(&b->o) != b->dim || b->o.K != H * D ||
-        lowbit_linear_rows(&b->gate_up) != 2 * b->hidden || b->gate_up.K != b->dim || lowbit_linear_rows(&b->down) != b->dim || b->down.K != b->hidden)
+    if (lowbit_linear_rows(&b->qkv) != (H + 2 * Hkv) * D || b->qkv.K != b->dim || lowbit_linear_rows(&b->o) != b->dim || b->o.K != H * D)
+        return -1;
+    /* a mixture of experts: its 2 E weights were checked when its descriptor was made (kernels/cpu_moe.py calls
+     * lowbit_moe_check; its 256 checks a layer, each asking the CPU for its ISA, would cost an estimated
+     * 5-10 us a layer every step), the rest here */
+    if (b->moe ? !b->moe->router || b->moe->dim != b->dim || b->moe->k < 1 ||
+                     b->moe->k > b->moe->n_experts || b->moe->rule < 0 || b->moe->rule > 1
+               : lowbit_linear_rows(&b->gate_up) != 2 * b->hidden || b->gate_up.K != b->dim ||
+                     lowbit_linear_rows(&b->down) != b->dim || b->down.K != b->hidden)
         return -1;
     if ((b->q_norm == NULL) != (b->k_norm == NULL) || (b->q_norm && D > LOWBIT_MAX_HEAD_DIM) ||
         (b->attn_post_norm == NULL) != (b->ffn_post_norm == NULL) || b->act < 0 || b->act > 1 || b->rope < 0 ||
@@ -210,11 +224,28 @@ static void block_pre_team(const lowbit_ctx *c, const lowbit_block *b, int64_t M
     }
 }
 
+/* Team: delta = (act(h Wg^T) * (h Wu^T)) @ Wd^T, a: h's activation codes (the dense gated MLP). */
+static void dense_mlp_team(const lowbit_ctx *c, const lowbit_block *b, int64_t M, float *delta, block_ws *ws,
+                           const lowbit_qact *ah) {
+    const int64_t I = b->hidden;
+    lowbit_linear_team(c, &b->gate_up, ah, ws->gu);
+    lowbit_qact a = qact_for(ws, I);
+    /* silu(gate) * up and its quantization, one block of 32 at a time, shared out (expf is most of a
+     * decode step's serial time otherwise: 1536 per layer on the default model) */
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * a.nb; i++) {
+        const int64_t m = i / a.nb, k0 = (i % a.nb) * LOWBIT_BLOCK;
+        float act[LOWBIT_BLOCK];
+        gated_mul_n(ws->gu + m * 2 * I + k0, ws->gu + m * 2 * I + I + k0, LOWBIT_BLOCK, act, (int)b->act);
+        lowbit_quantize_block(act, &a, m, i % a.nb);
+    }
+    lowbit_linear_team(c, &b->down, &a, delta);
+}
+
 /* Team: residual += attn @ Wo^T; h = norm(residual); delta = (silu(h Wg^T) * (h Wu^T)) @ Wd^T — with Gemma's
  * norms of the attention and MLP outputs (attn_post_norm, ffn_post_norm) and GeGLU where the block has them. */
 static void block_post_team(const lowbit_ctx *c, const lowbit_block *b, int64_t M, const float *attn, float *residual,
                             float *delta, block_ws *ws) {
-    const int64_t I = b->hidden;
     lowbit_qact a = qact_for(ws, b->n_heads * b->head_dim);
     lowbit_quantize_rows(attn, a.K, &a);
     lowbit_linear_team(c, &b->o, &a, ws->o);
@@ -226,18 +257,10 @@ static void block_post_team(const lowbit_ctx *c, const lowbit_block *b, int64_t 
     }
     a = qact_for(ws, b->dim);
     norm_quantize_rows(ws->o, b->dim, residual, 1, b->ffn_norm, b->eps, M, b->dim, ws->h, &a);
-    lowbit_linear_team(c, &b->gate_up, &a, ws->gu);
-    a = qact_for(ws, I);
-    /* silu(gate) * up and its quantization, one block of 32 at a time, shared out (expf is most of a
-     * decode step's serial time otherwise: 1536 per layer on the default model) */
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < M * a.nb; i++) {
-        const int64_t m = i / a.nb, k0 = (i % a.nb) * LOWBIT_BLOCK;
-        float act[LOWBIT_BLOCK];
-        gated_mul_n(ws->gu + m * 2 * I + k0, ws->gu + m * 2 * I + I + k0, LOWBIT_BLOCK, act, (int)b->act);
-        lowbit_quantize_block(act, &a, m, i % a.nb);
-    }
-    lowbit_linear_team(c, &b->down, &a, delta);
+    if (b->moe)  /* router and experts on the normed rows (cpu_moe.c), the op-by-op path's calls' arithmetic */
+        lowbit_moe_team(c, b->moe, M, ws->h, delta, ws->moe_mem);
+    else
+        dense_mlp_team(c, b, M, delta, ws, &a);
     if (b->ffn_post_norm) {  /* Gemma: the MLP output normed before it is added (h: scratch) */
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
@@ -306,8 +329,10 @@ int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, 
         nc = n > nc ? n : nc;
     }
     const size_t att = lowbit_paged_attention_scratch(H, Hkv, D), parts = lowbit_paged_attention_partials(nc, H, D);
+    size_t wsb = 0;  /* the layers share one block scratch: the largest (an MoE layer's experts need more) */
+    for (int64_t l = 0; l < L; l++) wsb = block_ws_bytes(blocks + l, M) > wsb ? block_ws_bytes(blocks + l, M) : wsb;
     const size_t bytes = sizeof(float) * ((size_t)(M * (W + H * D)) + att * (size_t)c->nthreads + parts) +
-                         sizeof(int64_t) * (size_t)(3 * nc + M + 1) + block_ws_bytes(b0, M) + 64;
+                         sizeof(int64_t) * (size_t)(3 * nc + M + 1) + wsb + 64;
     float *mem = malloc(bytes);
     if (!mem) return -2;
     float *qkv = mem, *attn = qkv + M * W, *scratch = attn + M * H * D, *partials = scratch + att * (size_t)c->nthreads;

@@ -19,6 +19,8 @@ runs op by op.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from lowbit.kernels import cpu_native
@@ -114,23 +116,29 @@ def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
 def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
                 qkv: tuple, o: tuple, gate_up: tuple, down: tuple, qk_norms: tuple | None = None,
                 post_norms: tuple | None = None, gelu: bool = False, rope: int = 0, window: int | None = None,
-                sinks: torch.Tensor | None = None, *, native) -> FusedBlock | None:
+                sinks: torch.Tensor | None = None, moe=None, *, native) -> FusedBlock | None:
     """dims = (dim, n_heads, n_kv_heads, head_dim, hidden); norms fp32 [dim]; each weight a (packed
     layout, fp32 bias or None) pair, QKV and gate/up already fused along N; qk_norms: (q, k) fp32
     [head_dim] norms over each head (Qwen3, Gemma) or None; post_norms: Gemma's (attention output,
     MLP output) norms fp32 [dim] or None; gelu: GeGLU instead of SwiGLU; rope, window: the block's
     rotary table (an index into a one-call step's tables) and sliding window; sinks: the layer's attention
     sinks, contiguous fp32 [n_heads] (gpt-oss), or None — the same tensor the step's PagedAttention is given
-    for the layer; native: the C kernels → a FusedBlock, or None without them or when a weight is in a
-    layout they do not read whole."""
+    for the layer; moe: a mixture of experts in place of the gated MLP (kernels/cpu_moe.py FusedExperts, whose
+    router and experts the block runs; gate_up and down are then (None, None) and `hidden` the experts' own);
+    native: the C kernels → a FusedBlock, or None without them or when a weight is in a layout they do not
+    read whole."""
     if native is None:
         return None
     dim, H, Hkv, D, hidden = dims
     cpu_native.check_sinks(sinks, H, "cpu fused block")  # a bug in the caller, not a layout to decline
-    linears = [_linear(*p, native) for p in (qkv, o, gate_up, down)]
+    if moe is not None and (moe.native is not native or moe.desc.dim != dim or moe.desc.hidden != hidden):
+        return None
+    mlp = (gate_up, down) if moe is None else ()
+    linears = [_linear(*p, native) for p in (qkv, o, *mlp)]
     shapes = [((H + 2 * Hkv) * D, dim), (dim, H * D), (2 * hidden, dim), (dim, hidden)]
     if any(l is None or (_rows(l), l.K) != s for l, s in zip(linears, shapes)):
         return None
+    linears += [cpu_native._Linear(), cpu_native._Linear()] if moe is not None else []  # unread: the block's moe
     for t in (attn_norm, ffn_norm, *(post_norms or ())):
         if t.dtype != torch.float32 or t.shape != (dim,) or not t.is_contiguous():
             return None
@@ -141,9 +149,10 @@ def fused_block(dims: tuple[int, int, int, int, int], eps: float, attn_norm: tor
     desc = cpu_native._Block(dim, H, Hkv, D, hidden, eps, attn_norm.data_ptr(), ffn_norm.data_ptr(), *linears,
                              *((t.data_ptr() for t in qk) if qk else (None, None)),
                              *((t.data_ptr() for t in post) if post else (None, None)), int(gelu), rope, window or 0,
-                             None if sinks is None else sinks.data_ptr())
-    held = [attn_norm, ffn_norm, *qk, *post] + [t for w, b in (qkv, o, gate_up, down) for t in (*vars(w).values(), b)
-                                                if isinstance(t, torch.Tensor)] + [w for w, _ in (qkv, o, gate_up, down)]
+                             None if sinks is None else sinks.data_ptr(),
+                             None if moe is None else ctypes.pointer(moe.desc))
+    held = [attn_norm, ffn_norm, *qk, *post] + [t for w, b in (qkv, o, *mlp) for t in (*vars(w).values(), b)
+                                                if isinstance(t, torch.Tensor)] + [w for w, _ in (qkv, o, *mlp)] + [moe]
     return FusedBlock(desc, held, native, sinks)
 
 

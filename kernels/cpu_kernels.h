@@ -1,5 +1,6 @@
 /* The C kernels' shared descriptors, the functions one file calls in another, and every function
- * the library exports (cpu_wq_mm.c, cpu_wq_tiles.c, cpu_block.c, cpu_attention.c are built into one
+ * the library exports (cpu_wq_mm.c, cpu_wq_tiles.c, cpu_block.c, cpu_attention.c, cpu_moe.c, cpu_router.c
+ * and the rest of kernels/cpu_native.py's SOURCES are built into one
  * library by kernels/cpu_native.py, which binds the exports and mirrors the structs with ctypes).
  * Each file includes this one and the build has -Werror=missing-prototypes, so a non-static
  * function without its prototype here fails to build and every definition is checked against it. */
@@ -14,7 +15,7 @@
  * prototype), and the sizeof and each field's offset and size of every struct it mirrors against
  * lowbit_abi_layout (cpu_wq_mm.c), so a change on one side only refuses the library instead of
  * corrupting memory. */
-#define LOWBIT_ABI_VERSION 6
+#define LOWBIT_ABI_VERSION 8
 
 int lowbit_abi_version(void);  /* LOWBIT_ABI_VERSION */
 /* The layout of the structs cpu_native.py mirrors, one entry per struct ("lowbit_block": offset 0,
@@ -176,6 +177,8 @@ typedef struct {
     /* lowbit_decode_paged_layers: this layer's attention sinks, fp32 [n_heads] (gpt-oss: one learned logit per
      * head in each row's softmax, with no value), or NULL */
     const float *sinks;
+    /* a mixture of experts in place of gate_up, act and down (cpu_moe.c: router and experts), or NULL */
+    const struct lowbit_moe *moe;
 } lowbit_block;
 
 /* One side (K or V) of one layer of the paged pool (runtime/engine/kv_cache.py), as stored (codes points at
@@ -202,6 +205,8 @@ void lowbit_quantize_rows(const float *x, int64_t sx, lowbit_qact *a);
 int lowbit_linear_check(const lowbit_linear *w, int64_t isa);
 int64_t lowbit_linear_rows(const lowbit_linear *w);  /* output rows of the weight and its `next`s */
 void lowbit_linear_team(const lowbit_ctx *c, const lowbit_linear *w, const lowbit_qact *a, float *y);
+void lowbit_linear_tiles(const lowbit_ctx *c, const lowbit_linear *w, const lowbit_qact *a, int64_t t0, int64_t t1,
+                         float *y);  /* one thread's tiles [t0, t1) of the chain, no barrier; kinds 1, 2, 4 */
 int lowbit_linear_mm(const lowbit_ctx *c, const lowbit_linear *w, const float *x, int64_t M, float *y);
 
 /* cpu_wq_mm.c: the exact path's dequantized weight tiles and the int8 embedding lookup. */
@@ -267,6 +272,8 @@ void lowbit_rotary(float *x, int64_t M, int64_t H, int64_t sm, int64_t sh, int64
 void lowbit_silu_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I, float *out);
 void lowbit_gelu_tanh_mul(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I,
                           float *out);
+/* one row's act(g) * u over n values (gelu: 0 SiLU, 1 GELU tanh), the loop lowbit_silu_mul runs per row */
+void lowbit_gated_mul_n(const float *g, const float *u, int64_t n, float *out, int gelu);
 int lowbit_kv_write(const float *x, int64_t sx, int64_t M, int64_t Hkv, int64_t D, const int64_t *slots,
                     int64_t page_size, const lowbit_kv_side *s, const float *rot);
 int lowbit_kv_write_team(const float *kx, const float *vx, int64_t sx, int64_t M, int64_t Hkv, int64_t D,
@@ -295,5 +302,43 @@ int lowbit_decode_paged_layers(const lowbit_ctx *c, const lowbit_block *blocks, 
                                const int64_t *slots, int64_t page_size, const lowbit_kv_side *k_sides,
                                const lowbit_kv_side *v_sides, const float *write_rot, const float *attn_rot,
                                const int64_t *ctx, const int64_t *tables, const int64_t *toff, float scale);
+
+/* cpu_moe.c: a mixture of experts' experts (kernels/cpu_moe.py): per expert e its fused gate+up
+ * gate_up[e] [2 hidden, dim] (gate rows first) and down[e] [dim, hidden], each with its bias or none. */
+typedef struct lowbit_moe {
+    int64_t n_experts, dim, hidden;
+    int64_t act;          /* 0: SiLU(gate) * up (Qwen3-MoE); 2: gpt-oss's clamped SwiGLU (alpha, limit) */
+    float alpha, limit;
+    const lowbit_linear *gate_up, *down;  /* [n_experts] each */
+    /* the router (cpu_router.c): fp32 [n_experts, dim] and its bias [n_experts] or NULL; k experts a row; rule
+     * 0: softmax over all, top k (renormalised when norm_topk), 1: top k logits, softmax over them */
+    const float *router, *router_bias;
+    int64_t k, rule, norm_topk;
+} lowbit_moe;
+
+void lowbit_swiglu_clamped(const float *gate, int64_t sg, const float *up, int64_t su, int64_t M, int64_t I,
+                           float *out, float alpha, float limit);
+int lowbit_moe_check(const lowbit_ctx *c, const lowbit_moe *m);
+size_t lowbit_moe_scratch(const lowbit_moe *m, int64_t M, int64_t k);
+int lowbit_moe_experts(const lowbit_ctx *c, const lowbit_moe *m, int64_t M, const float *x, int64_t k,
+                       const int64_t *ids, const float *wts, float *out);
+/* the whole MoE of M rows as a team function (cpu_block.c's fused block): route, then the experts; mem:
+ * lowbit_moe_scratch(m, M, m->k) bytes */
+void lowbit_moe_team(const lowbit_ctx *c, const lowbit_moe *m, int64_t M, const float *x, float *out, void *mem);
+/* cpu_router.c: the router, standalone (Experts.route) and as team functions */
+int lowbit_moe_route(const lowbit_ctx *c, const lowbit_moe *m, int64_t M, const float *x, int64_t *ids, float *w);
+void lowbit_route_logits_team(const lowbit_moe *m, int64_t M, const float *x, float *logits);
+void lowbit_route_row(const lowbit_moe *m, const float *logits, float *p, int64_t *ids, float *w);
+void lowbit_route_team(const lowbit_moe *m, int64_t M, const float *x, float *logits, float *p, int64_t *ids, float *w);
+
+/* cpu_gated_delta.c: Gated DeltaNet's token-by-token step (models/deltanet.py). prep: raw [T, C] (C = 2 Hk Dk +
+ * Hv Dv) through the conv over conv [C, K - 1] (updated) and weights [C, K], SiLU, q/k L2-normed (q times
+ * Dk^-1/2) → q, k [T, Hv, Dk], v [T, Hv, Dv]; rule: the delta rule over state [H, Dk, Dv] (updated) with g, beta
+ * [T, H] → out [T, H, Dv]. Both return 0, or non-zero for unsupported shapes. */
+int lowbit_gated_delta_prep(const float *raw, int64_t T, float *conv, const float *conv_w, int64_t K, int64_t Hk,
+                            int64_t Hv, int64_t Dk, int64_t Dv, int tiled, float l2_eps, float *q, float *k,
+                            float *v);
+int lowbit_gated_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                            int64_t T, int64_t H, int64_t Dk, int64_t Dv, float *state, float *out);
 
 #endif

@@ -3,7 +3,9 @@ the decode-sized matmul over lowbit's packed int4/int8 layouts and the exact pat
 (kernels/cpu_wq_mm.c, with the integer inner loops of kernels/cpu_wq_tiles.c compiled once per
 instruction set); the small per-row ops of a block, its two fused halves, and a whole decode step
 in one call over the paged pool (kernels/cpu_block.c, driven by kernels/cpu_block.py); attention
-straight from the paged quantized pool, and quantize-on-write (kernels/cpu_attention.c). The files
+straight from the paged quantized pool, and quantize-on-write (kernels/cpu_attention.c); a mixture of
+experts' router and experts in one call, alone or inside the fused block (kernels/cpu_moe.c, cpu_router.c,
+driven by kernels/cpu_moe.py). The files
 share their structs through kernels/cpu_kernels.h, which also declares every export.
 
 The ABI: ctypes trusts whatever it is told, so a struct field added on one side only would corrupt
@@ -58,7 +60,8 @@ import torch
 from lowbit.kernels.kv_side import KVSide
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_wq_mm.c", "cpu_kq.c", "cpu_ggml.c", "cpu_block.c",
-                                                 "cpu_attention.c")]
+                                                 "cpu_attention.c", "cpu_moe.c", "cpu_router.c",
+                                                 "cpu_gated_delta.c")]
 # compiled once per instruction set (ISAS): the int4/int8 tiles and the GGML blocks in tiles
 TILES = [Path(__file__).with_name(n) for n in ("cpu_wq_tiles.c", "cpu_kq_tiles.c")]
 HEADER = Path(__file__).with_name("cpu_kernels.h")  # the structs and every export's prototype
@@ -108,6 +111,16 @@ class _Ctx(ctypes.Structure):
     _fields_ = [("isa", ctypes.c_int64), ("nthreads", ctypes.c_int64)]
 
 
+class _Moe(ctypes.Structure):
+    """cpu_moe.c's lowbit_moe: a mixture of experts' shapes, activation, per-expert weights (arrays of E) and
+    router (cpu_router.c)."""
+    _fields_ = [("n_experts", ctypes.c_int64), ("dim", ctypes.c_int64), ("hidden", ctypes.c_int64),
+                ("act", ctypes.c_int64), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+                ("gate_up", ctypes.POINTER(_Linear)), ("down", ctypes.POINTER(_Linear)),
+                ("router", ctypes.c_void_p), ("router_bias", ctypes.c_void_p), ("k", ctypes.c_int64),
+                ("rule", ctypes.c_int64), ("norm_topk", ctypes.c_int64)]
+
+
 class _Block(ctypes.Structure):
     """cpu_block.c's lowbit_block: one Llama block's shapes, norms and weights."""
     _fields_ = [("dim", ctypes.c_int64), ("n_heads", ctypes.c_int64), ("n_kv_heads", ctypes.c_int64),
@@ -116,7 +129,8 @@ class _Block(ctypes.Structure):
                 ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("attn_post_norm", ctypes.c_void_p), ("ffn_post_norm", ctypes.c_void_p), ("act", ctypes.c_int64),
-                ("rope", ctypes.c_int64), ("window", ctypes.c_int64), ("sinks", ctypes.c_void_p)]
+                ("rope", ctypes.c_int64), ("window", ctypes.c_int64), ("sinks", ctypes.c_void_p),
+                ("moe", ctypes.POINTER(_Moe))]
 
 
 class _KVSide(ctypes.Structure):
@@ -126,8 +140,9 @@ class _KVSide(ctypes.Structure):
 
 
 # The structs that cross into C, by their names in cpu_kernels.h (`check_abi` compares each with C).
-ABI_STRUCTS = (("lowbit_linear", _Linear), ("lowbit_ctx", _Ctx), ("lowbit_block", _Block), ("lowbit_kv_side", _KVSide))
-ABI_VERSION = 6  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
+ABI_STRUCTS = (("lowbit_linear", _Linear), ("lowbit_ctx", _Ctx), ("lowbit_block", _Block), ("lowbit_kv_side", _KVSide),
+               ("lowbit_moe", _Moe))
+ABI_VERSION = 8  # cpu_kernels.h's LOWBIT_ABI_VERSION: the exports as NativeKernels binds them
 
 
 class AbiMismatch(Exception):
@@ -170,6 +185,14 @@ class NativeKernels:
         lib.lowbit_rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
         lib.lowbit_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr]
         lib.lowbit_gelu_tanh_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr]
+        lib.lowbit_swiglu_clamped.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, f32, f32]
+        lib.lowbit_gated_delta_prep.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int, f32, ptr,
+                                                ptr, ptr]
+        lib.lowbit_gated_delta_rule.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr]
+        moe = ctypes.POINTER(_Moe)
+        lib.lowbit_moe_check.argtypes = [ctxp, moe]
+        lib.lowbit_moe_experts.argtypes = [ctxp, moe, i64, ptr, i64, ptr, ptr, ptr]
+        lib.lowbit_moe_route.argtypes = [ctxp, moe, i64, ptr, ptr, ptr]
         blk = ctypes.POINTER(_Block)
         lib.lowbit_block_pre.argtypes = [ctxp, blk, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr]
         lib.lowbit_block_post.argtypes = [ctxp, blk, i64, ptr, ptr, ptr]
@@ -324,14 +347,71 @@ class NativeKernels:
         """gate, up fp32 [M, I] (last dim contiguous) → gelu_tanh(gate) * up, fp32 [M, I] (Gemma's GeGLU)."""
         return self._gated(self.lib.lowbit_gelu_tanh_mul, "gelu_tanh_mul", gate, up)
 
-    def _gated(self, fn, name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def swiglu_clamped(self, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gate, up fp32 [M, I] (last dim contiguous) → gpt-oss's clamped SwiGLU, fp32 [M, I] (cpu_moe.c)."""
+        return self._gated(self.lib.lowbit_swiglu_clamped, "swiglu_clamped", gate, up, alpha, limit)
+
+    def _gated(self, fn, name: str, gate: torch.Tensor, up: torch.Tensor, *args) -> torch.Tensor:
         M, n = gate.shape
         if gate.dtype != torch.float32 or up.dtype != torch.float32 or up.shape != gate.shape \
                 or gate.stride(1) != 1 or up.stride(1) != 1:
             raise ValueError(f"cpu {name}: unsupported input {tuple(gate.shape)} {gate.dtype}")
         out = torch.empty(M, n)
-        fn(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), M, n, out.data_ptr())
+        fn(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), M, n, out.data_ptr(), *args)
         return out
+
+    # Gated DeltaNet's token-by-token step (cpu_gated_delta.c; the spec is kernels/gated_delta.py's
+    # causal_conv_ref + prepare_qk, and delta_rule_ref), for one sequence's T tokens.
+
+    def gated_delta_prep(self, raw: torch.Tensor, conv: torch.Tensor, conv_w: torch.Tensor, heads: tuple,
+                         l2_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """raw fp32 [T, C], conv fp32 [C, K - 1] (updated in place), conv_w fp32 [C, K], heads (Hk, Hv, Dk, Dv,
+        tiled) → q, k [T, Hv, Dk], v [T, Hv, Dv]."""
+        Hk, Hv, Dk, Dv, tiled = heads
+        T, C = raw.shape
+        K = conv_w.shape[1]
+        if any(x.dtype != torch.float32 or not x.is_contiguous() for x in (raw, conv, conv_w)) \
+                or C != 2 * Hk * Dk + Hv * Dv or conv.shape != (C, K - 1) or conv_w.shape != (C, K):
+            raise ValueError(f"cpu gated_delta_prep: unsupported input {tuple(raw.shape)} {tuple(conv.shape)}")
+        q, k, v = torch.empty(T, Hv, Dk), torch.empty(T, Hv, Dk), torch.empty(T, Hv, Dv)
+        if self.lib.lowbit_gated_delta_prep(raw.data_ptr(), T, conv.data_ptr(), conv_w.data_ptr(), K, Hk, Hv, Dk, Dv,
+                                            int(tiled), l2_eps, q.data_ptr(), k.data_ptr(), v.data_ptr()):
+            raise ValueError(f"cpu gated_delta_prep: unsupported heads {heads} or conv width {K}")
+        return q, k, v
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """delta_rule_ref's arguments (q, k fp32 [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv]
+        updated in place) → o fp32 [T, H, Dv]."""
+        T, H, Dk = q.shape
+        Dv = v.shape[2]
+        if any(x.dtype != torch.float32 or not x.is_contiguous() for x in (q, k, v, g, beta, state)) \
+                or k.shape != q.shape or v.shape != (T, H, Dv) or g.shape != (T, H) or beta.shape != (T, H) \
+                or state.shape != (H, Dk, Dv):
+            raise ValueError(f"cpu gated_delta_rule: unsupported input {tuple(q.shape)} {tuple(state.shape)}")
+        out = torch.empty(T, H, Dv)
+        if self.lib.lowbit_gated_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                            T, H, Dk, Dv, state.data_ptr(), out.data_ptr()):
+            raise ValueError(f"cpu gated_delta_rule: heads of {Dk} x {Dv} are too wide")
+        return out
+
+    # A mixture of experts' experts in one call (cpu_moe.c; kernels/cpu_moe.py builds the descriptor).
+
+    def moe_check(self, moe: _Moe) -> int:
+        return self.lib.lowbit_moe_check(self._ctx(), ctypes.byref(moe))
+
+    def moe_experts(self, moe: _Moe, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    out: torch.Tensor) -> int:
+        """x fp32 [M, dim], ids int64 [M, k], weights fp32 [M, k] (contiguous, checked by the caller) → out
+        fp32 [M, dim]. Returns the C status."""
+        M, k = ids.shape
+        return self.lib.lowbit_moe_experts(self._ctx(), ctypes.byref(moe), M, x.data_ptr(), k, ids.data_ptr(),
+                                           weights.data_ptr(), out.data_ptr())
+
+    def moe_route(self, moe: _Moe, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> int:
+        """x fp32 [M, dim] (contiguous) → ids int64 [M, k], weights fp32 [M, k] (cpu_router.c). The C status."""
+        return self.lib.lowbit_moe_route(self._ctx(), ctypes.byref(moe), x.shape[0], x.data_ptr(), ids.data_ptr(),
+                                         weights.data_ptr())
 
     # The fused halves of a block (cpu_block.c; kernels/cpu_block.py builds the descriptor and checks
     # shapes). Both return the C code's status: 0, or non-zero for a refused shape / failed allocation.

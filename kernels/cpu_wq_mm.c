@@ -84,6 +84,11 @@ static const struct {
     ABI_FIELD(lowbit_block, rope), ABI_FIELD(lowbit_block, window), ABI_FIELD(lowbit_block, sinks),
     ABI_STRUCT(lowbit_kv_side), ABI_FIELD(lowbit_kv_side, bits), ABI_FIELD(lowbit_kv_side, group),
     ABI_FIELD(lowbit_kv_side, codes), ABI_FIELD(lowbit_kv_side, scales), ABI_FIELD(lowbit_kv_side, mins),
+    ABI_STRUCT(lowbit_moe), ABI_FIELD(lowbit_moe, n_experts), ABI_FIELD(lowbit_moe, dim), ABI_FIELD(lowbit_moe, hidden),
+    ABI_FIELD(lowbit_moe, act), ABI_FIELD(lowbit_moe, alpha), ABI_FIELD(lowbit_moe, limit),
+    ABI_FIELD(lowbit_moe, gate_up), ABI_FIELD(lowbit_moe, down), ABI_FIELD(lowbit_moe, router),
+    ABI_FIELD(lowbit_moe, router_bias), ABI_FIELD(lowbit_moe, k), ABI_FIELD(lowbit_moe, rule),
+    ABI_FIELD(lowbit_moe, norm_topk), ABI_FIELD(lowbit_block, moe),
 };
 #undef ABI_STRUCT
 #undef ABI_FIELD
@@ -233,8 +238,17 @@ void lowbit_linear_team(const lowbit_ctx *c, const lowbit_linear *w, const lowbi
         lowbit_ggml_team(w, a, y);
         return;
     }
-    const int64_t ldy = lowbit_linear_rows(w), T = ldy / LOWBIT_TILE, n = omp_get_num_threads(), i = omp_get_thread_num();
-    const int64_t t0 = T * i / n, t1 = T * (i + 1) / n, rb = row_block(w->K);
+    const int64_t T = lowbit_linear_rows(w) / LOWBIT_TILE, n = omp_get_num_threads(), i = omp_get_thread_num();
+    lowbit_linear_tiles(c, w, a, T * i / n, T * (i + 1) / n, y);
+#pragma omp barrier
+}
+
+/* The chain's tiles [t0, t1) of y = a @ W^T (+ bias) for all of a's rows, on the calling thread alone (no
+ * barrier; kinds 1, 2, 4): lowbit_linear_team's share of one thread, and cpu_moe.c's shares of several
+ * experts' tiles at once. */
+void lowbit_linear_tiles(const lowbit_ctx *c, const lowbit_linear *w, const lowbit_qact *a, int64_t t0, int64_t t1,
+                         float *y) {
+    const int64_t ldy = lowbit_linear_rows(w), rb = row_block(w->K);
     for (int64_t m0 = 0; m0 < a->M && t1 > t0; m0 += rb) {
         const int64_t mc = a->M - m0 < rb ? a->M - m0 : rb;
         int64_t first = 0;  /* the segment's first tile in the chain */
@@ -249,7 +263,6 @@ void lowbit_linear_team(const lowbit_ctx *c, const lowbit_linear *w, const lowbi
     if (t1 > t0 && w->bias)
         for (int64_t m = 0; m < a->M; m++)
             for (int64_t r = t0 * LOWBIT_TILE; r < t1 * LOWBIT_TILE; r++) y[m * ldy + r] += w->bias[r];
-#pragma omp barrier
 }
 
 /* One matmul in its own parallel region: x fp32 [M, K] (rows contiguous) → y fp32 [M, N]. Returns 0,

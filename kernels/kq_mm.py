@@ -90,7 +90,8 @@ def tiles_pack_rows(parts: list, qtype: int, in_features: int, tile_size: int, n
     """Weights of one GGML type stacked along N (each but the last whole 16-row tiles) → (their tiles
     uint8 [ceil(N / 16), tile_size], N), each packed straight into its tiles by C
     (NativeKernels.tiles_pack): uint8 [n, row bytes] rows in memory, or rows still in a file
-    (runtime/load/gguf.py TensorRows: `path`, `offset`, `N`, `perm`)."""
+    (runtime/load/gguf.py TensorRows: `path`, `offset`, `N`, `perm`), or a source that packs itself into its
+    tiles (`pack_tiles`: runtime/load/expert_tiles.py, an expert packed with its neighbours in one call)."""
     sizes = [b.shape[0] if isinstance(b, torch.Tensor) else b.N for b in parts]
     for b in parts:
         if isinstance(b, torch.Tensor):
@@ -101,7 +102,11 @@ def tiles_pack_rows(parts: list, qtype: int, in_features: int, tile_size: int, n
     t = 0
     for b, rows in zip(parts, sizes):
         n = -(-rows // TILE)
-        native.tiles_pack(qtype, b.contiguous() if isinstance(b, torch.Tensor) else b, rows, in_features, out[t:t + n])
+        if hasattr(b, "pack_tiles"):
+            b.pack_tiles(qtype, in_features, out[t:t + n], native)
+        else:
+            native.tiles_pack(qtype, b.contiguous() if isinstance(b, torch.Tensor) else b, rows, in_features,
+                              out[t:t + n])
         t += n
     return out, sum(sizes)
 

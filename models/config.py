@@ -95,6 +95,9 @@ class LlamaConfig:
     n_experts_used: int = 0
     expert_hidden_dim: int = 0
     norm_topk: bool = True  # the k chosen weights renormalised to sum 1 (Qwen3-MoE's norm_topk_prob)
+    # Qwen3.5-MoE: one more gated MLP of this many columns that every token runs, its output scaled by
+    # sigmoid(shared gate . x) (models/moe.py); 0 = none
+    shared_expert_hidden_dim: int = 0
     swiglu_clamp: tuple[float, float] | None = None  # (alpha, limit) of gpt-oss's clamped SwiGLU
     # hybrid (the family's `recurrent`, Qwen3.5): per layer whether it is a Gated DeltaNet layer (models/deltanet.py)
     # in place of attention; None = every layer attends. Only the other layers hold KV pages
@@ -144,27 +147,42 @@ class LlamaConfig:
     def fused_decode(self) -> bool:
         """Whether every block is one the fused C kernels compute (kernels/cpu_block.c): the Llama block with
         any of q/k norms, Gemma's four norms and GeGLU, a rotary table per layer (local, global, none;
-        partial rotary is a table too) and a window per layer — everything but a softmax scale other
-        than 1/sqrt(D) and Ministral's per-position query temperature, which run op by op."""
-        return self.attn_scale is None and self.attn_temperature is None and not self.n_experts \
+        partial rotary is a table too) and a window per layer, attention sinks and biases (gpt-oss), a mixture
+        of experts in place of the MLP (kernels/cpu_moe.c: router and experts) — everything but a softmax scale
+        other than 1/sqrt(D), Ministral's per-position query temperature and a shared expert, which run op by op."""
+        return self.attn_scale is None and self.attn_temperature is None and not self.shared_expert_hidden_dim \
             and self.recurrent_layers is None and not self.family.gated_attention
 
     def parameters(self) -> tuple[int, int]:
         """(total, active): the weights the model has, and those one token multiplies — a mixture of
-        experts counts its k chosen experts of E (Qwen3-30B-A3B: 30.5B and 3.3B), the embedding table its
-        one row unless it is also the LM head."""
+        experts counts its k chosen experts of E (Qwen3-30B-A3B: 30.5B and 3.3B) and its shared expert, the
+        embedding table its one row unless it is also the LM head. A hybrid model's DeltaNet layers count
+        their own weights in place of attention's; Qwen3.5's multi-token-prediction block is not counted
+        (lowbit does not run it)."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        attn = self.dim * (q + 2 * kv) + q * self.dim + 2 * self.dim + (q + 2 * kv if self.qkv_bias else 0)
+        norms = 2 * self.dim + (2 * self.dim if self.family.sandwich_norms else 0)  # every layer's, whatever its mixer
+        attn = self.dim * (q + 2 * kv) + q * self.dim + (q + 2 * kv if self.qkv_bias else 0)
         attn += 2 * self.head_dim if self.family.qk_norm else 0
-        attn += 2 * self.dim if self.family.sandwich_norms else 0
+        attn += self.dim * q if self.family.gated_attention else 0  # Qwen3.5: a gate row for every query row
+        recurrent = 0
+        if self.deltanet is not None:  # in projections qkv [C, dim], z [Hv Dv, dim], b and a [Hv, dim]; out
+            d = self.deltanet  # [dim, Hv Dv]; conv [C, K]; dt_bias, A [Hv]; the gated norm [Dv]
+            vd = d.v_heads * d.v_dim
+            recurrent = self.dim * (d.conv_dim + vd + 2 * d.v_heads) + vd * self.dim + d.conv_dim * d.conv_taps \
+                + 2 * d.v_heads + d.v_dim
+        mixers = self.n_kv_layers * attn + (self.n_layers - self.n_kv_layers) * recurrent
         if self.n_experts:
             expert = 3 * self.dim * self.expert_hidden_dim
-            mlp, mlp_active = self.n_experts * (expert + self.dim), self.n_experts_used * expert + self.n_experts * self.dim
+            # the shared expert's gated MLP and its gate [dim], which every token runs
+            shared = 3 * self.dim * self.shared_expert_hidden_dim + self.dim if self.shared_expert_hidden_dim else 0
+            router = self.n_experts * self.dim
+            mlp, mlp_active = self.n_experts * expert + router + shared, self.n_experts_used * expert + router + shared
         else:
             mlp = mlp_active = 3 * self.dim * self.hidden_dim
         table = self.vocab_size * self.dim
-        total = table * (1 if self.tie_embeddings else 2) + self.n_layers * (attn + mlp) + self.dim
-        active = (table if self.tie_embeddings else table + self.dim) + self.n_layers * (attn + mlp_active) + self.dim
+        total = table * (1 if self.tie_embeddings else 2) + mixers + self.n_layers * (norms + mlp) + self.dim
+        active = (table if self.tie_embeddings else table + self.dim) + mixers + self.n_layers * (norms + mlp_active) \
+            + self.dim
         return total, active
 
     def variants(self) -> list[str]:
@@ -178,6 +196,8 @@ class LlamaConfig:
         if self.n_experts:
             out.append(f"{self.n_experts} experts of {self.expert_hidden_dim} columns, {self.n_experts_used} "
                        f"per token ({f.experts} router{', renormalised' if self.norm_topk else ''})")
+            if self.shared_expert_hidden_dim:
+                out.append(f"a shared expert of {self.shared_expert_hidden_dim} columns, gated")
         if self.deltanet is not None:
             d = self.deltanet
             out.append(f"Gated DeltaNet on {self.n_layers - self.n_kv_layers} of {self.n_layers} layers ({d.k_heads}/"
@@ -258,6 +278,8 @@ class LlamaConfig:
             attn_temperature=temperature, n_experts=n_experts, **_gguf_deltanet(meta, arch, fam, n_layers),
             n_experts_used=int(get("expert_used_count")) if n_experts else 0,
             expert_hidden_dim=int(get("expert_feed_forward_length")) if n_experts else 0,
+            shared_expert_hidden_dim=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0)
+            if n_experts else 0,
             swiglu_clamp=SWIGLU_CLAMP if fam.activation == "swiglu_clamped" else None,
         )
 
@@ -333,6 +355,7 @@ class LlamaConfig:
             n_experts=n_experts, n_experts_used=int(cfg["num_experts_per_tok"]) if n_experts else 0,
             expert_hidden_dim=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")) if n_experts else 0,
             norm_topk=bool(cfg.get("norm_topk_prob", True)),
+            shared_expert_hidden_dim=int(cfg.get("shared_expert_intermediate_size") or 0) if n_experts else 0,
             swiglu_clamp=(float(cfg.get("swiglu_alpha", SWIGLU_CLAMP[0])), float(cfg.get("swiglu_limit", SWIGLU_CLAMP[1])))
             if fam.activation == "swiglu_clamped" else None,
         )

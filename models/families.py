@@ -40,8 +40,9 @@ class Family:
     swa_every: int = 0  # GGUF: every swa_every-th layer global, the others sliding-window (Gemma 3: 6, gpt-oss: 2)
     local_rope: bool = False  # the sliding-window layers have their own rope base, unscaled (Gemma 3)
     # gpt-oss: a learned logit per head joins each query's softmax over its keys, carrying no value
-    # (GGUF attn_sinks, HF self_attn.sinks); and a bias on the attention output
+    # (GGUF attn_sinks, HF self_attn.sinks)
     sinks: bool = False
+    o_bias: bool = False  # a bias on attention's output projection (gpt-oss)
     # the GGUF name of the MLP's norm: llama.cpp calls it post_attention_norm in gpt-oss and its hybrid
     # families (qwen35, qwen35moe), ffn_norm elsewhere
     gguf_ffn_norm: str = "ffn_norm"
@@ -72,16 +73,20 @@ FAMILIES = MappingProxyType({f.name: f for f in (
     Family("phi3", ("phi3",), ("phi3",), fused_tensors=True),
     Family("qwen35", ("qwen35",), ("qwen3_5_text",), qk_norm=True, norm_plus_one=True, gated_attention=True,
            recurrent="gated_deltanet"),
+    # Qwen3.5's hybrid block with a mixture of experts, plus a shared expert scaled by sigmoid(its gate) (models/moe.py)
+    Family("qwen35moe", ("qwen35moe",), ("qwen3_5_moe_text",), qk_norm=True, norm_plus_one=True, gated_attention=True,
+           recurrent="gated_deltanet", experts="softmax"),
     Family("gemma3", ("gemma3",), ("gemma3_text",), qk_norm=True, sandwich_norms=True, norm_plus_one=True,
            activation="gelu_tanh", embed_scale=True, swa_every=6, local_rope=True),
     # Q/K/V/O and expert biases (attention_bias); experts MXFP4 in its files (quant/ggml.py)
     Family("gpt-oss", ("gpt-oss",), ("gpt_oss",), qkv_bias=True, activation="swiglu_clamped", swa_every=2,
-           sinks=True, experts="topk_softmax", gguf_ffn_norm="post_attention_norm"),
+           sinks=True, o_bias=True, experts="topk_softmax", gguf_ffn_norm="post_attention_norm"),
 )})
 GGUF_ARCHS = MappingProxyType({a: f for f in FAMILIES.values() for a in f.gguf_archs})
 HF_TYPES = MappingProxyType({t: f for f in FAMILIES.values() for t in f.hf_types})
 # checkpoints whose text model sits under a multimodal wrapper: config.json's text_config is the model
-HF_WRAPPERS = MappingProxyType({"gemma3": "gemma3_text", "mistral3": "ministral3", "qwen3_5": "qwen3_5_text"})
+HF_WRAPPERS = MappingProxyType({"gemma3": "gemma3_text", "mistral3": "ministral3", "qwen3_5": "qwen3_5_text",
+                                 "qwen3_5_moe": "qwen3_5_moe_text"})
 
 
 def family_of_gguf(arch) -> Family:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lowbit.kernels.cpu_block import FusedLayers
-from lowbit.kernels.swiglu_clamped import swiglu_clamped_ref
+from lowbit.kernels.swiglu_clamped import swiglu_clamped_cpu
 from lowbit.models.attention import PagedAttention, PagedBatch
 from lowbit.models.backend import Backend, torch_backend
 from lowbit.models.config import LlamaConfig
@@ -89,7 +89,7 @@ class Block(nn.Module):
                             ("attn_post_norm", fam.sandwich_norms), ("ffn_post_norm", fam.sandwich_norms)):
             self.register_buffer(name, vec(name) if there else None, persistent=False)
         self.act = {"silu": backend.silu_mul, "gelu_tanh": backend.gelu_tanh_mul}.get(fam.activation) or \
-            partial(swiglu_clamped_ref, alpha=c.swiglu_clamp[0], limit=c.swiglu_clamp[1])  # gpt-oss
+            partial(swiglu_clamped_cpu, alpha=c.swiglu_clamp[0], limit=c.swiglu_clamp[1], native=backend.native)  # gpt-oss
         # gpt-oss: each head's learned logit in its softmax (models/attention.py), fp32 [H]
         self.register_buffer("sinks", vec("sinks") if fam.sinks and not recurrent else None, persistent=False)
         self.rope, self.rope_index = c.rope_of(layer), rope_index  # "global" | "local" | "none" (identity)
@@ -116,17 +116,25 @@ class Block(nn.Module):
     def _fused_block(self, backend: Backend):
         """The backend's two-call form of this block (CPU decode), when its weights allow one (not
         under tensor parallelism: the all-reduce falls between its O projection and the residual)."""
-        if self.tp is not None or backend.fused_block is None or self.moe is not None or len(self.qkv.parts) != 1 \
-                or len(self.gate_up.parts) != 1:
+        moe = self.moe  # a mixture of experts runs inside the block when its router and experts are in C
+        if self.tp is not None or backend.fused_block is None or len(self.qkv.parts) != 1 or (
+                moe is None and len(self.gate_up.parts) != 1) or (moe is not None and (
+                moe.fused is None or moe.shared is not None)):
             return None
         c = self.c
-        qkv, gate_up = self.qkv.parts[0], self.gate_up.parts[0]
-        return backend.fused_block((c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim), c.norm_eps,
+        qkv = self.qkv.parts[0]
+        if moe is None:
+            gate_up, down, hidden = (self.gate_up.parts[0].w, self.gate_up.parts[0].bias), (self.w_down.w, self.w_down.bias), \
+                c.hidden_dim
+        else:
+            gate_up, down, hidden = (None, None), (None, None), c.expert_hidden_dim
+        return backend.fused_block((c.dim, c.n_heads, c.n_kv_heads, c.head_dim, hidden), c.norm_eps,
                                    self.attn_norm, self.ffn_norm, (qkv.w, qkv.bias), (self.wo.w, self.wo.bias),
-                                   (gate_up.w, gate_up.bias), (self.w_down.w, self.w_down.bias),
-                                   None if self.q_norm is None else (self.q_norm, self.k_norm),
+                                   gate_up, down, None if self.q_norm is None else (self.q_norm, self.k_norm),
                                    None if self.attn_post_norm is None else (self.attn_post_norm, self.ffn_post_norm),
-                                   c.family.activation == "gelu_tanh", self.rope_index, self.window)
+                                   c.family.activation == "gelu_tanh", self.rope_index, self.window,
+                                   moe=None if moe is None else moe.fused,
+                                   **({} if self.sinks is None else {"sinks": self.sinks}))  # gpt-oss
 
     def _attention(self, h, ropes: dict, attend, exact, dtype: torch.dtype, q_temp) -> torch.Tensor:
         """The normed residual h [M, dim] → wo(attention over the paged K/V) [M, dim], op by op."""

@@ -1,16 +1,20 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, gpt-oss): a router picks each token's k experts out of E and
-weighs them; each expert is a gated MLP like the dense block's, held in the file's own layout (QuantLinear:
-Q4_K / Q6_K tiles, MXFP4 blocks), with biases where the family has them (gpt-oss).
+"""The mixture-of-experts MLP (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): a router picks each token's k experts out of E
+and weighs them; each expert is a gated MLP like the dense block's, held in the file's own layout (QuantLinear:
+Q4_K / Q6_K tiles, MXFP4 blocks), with biases where the family has them (gpt-oss), and a shared expert where
+the weights have one (Qwen3.5-MoE: every token's row also gets sigmoid(shared_gate . x) x one more gated MLP,
+added after the routed sum).
 
 Only the experts a step's tokens chose are read: a decode token multiplies its k experts' rows and no
 others (Qwen3-30B-A3B: 8 of 128, so ~6% of the expert bytes per token), and a prompt step groups its
 tokens by expert, one pass over each used expert's weights for all the tokens that chose it.
 
-Rows do not depend on their company: the router's logits come from the exact path (kernels/exact_mm.py:
-a row's result is the same at any M, so the same token chooses the same experts alone or in a prompt),
-every expert matmul is a C kernel whose rows are the same at any M, and each token's k outputs are
-added in ascending expert order whatever the grouping — so a token's row is bit-identical at any M and
-any mix of sequences (tests/test_moe.py), as the dense block's is.
+Rows do not depend on their company: the router's logits are fp32 dots in a fixed order per row (on CPU
+lowbit's C router, kernels/cpu_router.c; elsewhere the exact path, kernels/exact_mm.py), so the same
+token chooses the same experts alone or in a prompt; every expert matmul is a kernel whose rows are the
+same at any M; and each token's k outputs are added in ascending expert order whatever the grouping — so
+a token's row is bit-identical at any M and any mix of sequences (tests/test_moe.py), as the dense
+block's is. On CPU a fast step's experts run in one C call (kernels/cpu_moe.c), and a decode step's MoE
+blocks inside the one-call fused decode (kernels/cpu_block.c), the per-expert loop's rows bit for bit.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lowbit.kernels.cpu_moe import fused_experts
 from lowbit.models.backend import Backend
-from lowbit.quant.linear import ExactRows, QuantLinear
+from lowbit.quant import FloatWeight, parse_weights
+from lowbit.quant.dense import to_float
+from lowbit.quant.linear import ExactRows, QuantLinear, all_fast
 
 
 class Expert(nn.Module):
@@ -44,11 +51,33 @@ class Experts(nn.Module):
         self.router = QuantLinear(w[prefix + "router"], backend.linear, w.get(prefix + "router_bias"))
         self.experts = nn.ModuleList(Expert(w, f"{prefix}experts.{e}.", backend, projections)
                                      for e in range(c.n_experts))
+        # CPU with the C kernels: every expert of a fast step in one C call (kernels/cpu_moe.py), the per-expert
+        # loop's rows bit for bit; None where a weight's layout is not one it reads (then the loop runs)
+        # (the router too: cpu_router.c, which `route` then runs, so the fused decode block picks alike)
+        self.fused = None
+        router = self.router.w.weight if isinstance(self.router.w, FloatWeight) else None  # F32 in GGUF files
+        if backend.native is not None and router is not None and all(len(x.gate_up.parts) == 1 for x in self.experts):
+            self.fused = fused_experts(c.dim, c.expert_hidden_dim, c.family.activation, c.swiglu_clamp,
+                                       [((x.gate_up.parts[0].w, x.gate_up.parts[0].bias), (x.w_down.w, x.w_down.bias))
+                                        for x in self.experts],
+                                       (router.float().contiguous(), self.router.bias, self.k, self.rule,
+                                        self.norm_topk), native=backend.native)
+        # Qwen3.5-MoE: a shared expert `shared.{w_gate,w_up,w_down}` that every token runs, and its gate
+        # `shared_gate` [dim] (F32 in llama.cpp's files), a [1, dim] matrix here so it takes the exact path
+        self.shared = self.shared_gate = None
+        if c.shared_expert_hidden_dim:
+            self.shared = Expert(w, prefix + "shared.", backend, projections)
+            gate = w[prefix + "shared_gate"].float().reshape(1, c.dim)
+            self.shared_gate = QuantLinear(to_float(gate, parse_weights("f32")), backend.linear)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [M, dim] → (expert ids int64 [M, k], weights fp32 [M, k]), as transformers computes them.
         "softmax" (Qwen3-MoE): softmax over all E in fp32, the k largest, divided by their sum (norm_topk);
-        "topk_softmax" (gpt-oss): the k largest logits, softmax over those k."""
+        "topk_softmax" (gpt-oss): the k largest logits, softmax over those k.
+        With the C experts (CPU), their router computes it (cpu_router.c: fp32 dots in a fixed order, ties to the
+        lower id), as the fused decode block does, so both paths choose alike; the largest first either way."""
+        if self.fused is not None and h.dtype == torch.float32 and h.device.type == "cpu":
+            return self.fused.route(h)
         logits = self.router(h, True, torch.float32)  # [M, E], exact: the same choice at any M
         if self.rule == "topk_softmax":
             top, ids = torch.topk(logits, self.k, dim=-1)  # [M, k]
@@ -62,6 +91,18 @@ class Experts(nn.Module):
     def forward(self, h: torch.Tensor, exact, dtype: torch.dtype) -> torch.Tensor:
         """h [M, dim] (the normed residual) → the weighted sum of each token's k experts, fp32 [M, dim]."""
         ids, weights = self.route(h)
+        M = h.shape[0]
+        if self.fused is not None and all_fast(exact, M) and h.dtype == torch.float32:
+            out = self.fused(h, ids, weights)  # [M, dim]: the loop below in one C call
+        else:
+            out = self._per_expert(h, ids, weights, exact)
+        if self.shared is not None:
+            out += self.shared_expert(h, exact)
+        return out.to(dtype)
+
+    def _per_expert(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exact) -> torch.Tensor:
+        """The routed experts expert by expert (exact rows, CUDA, layouts the C call does not read) → fp32
+        [M, dim]: each expert's kernel calls on the rows that chose it."""
         M = h.shape[0]
         out = torch.zeros(M, h.shape[1], dtype=torch.float32, device=h.device)
         # the (token, slot) pairs that chose each expert, grouped on the host: a decode step's k experts cost
@@ -84,4 +125,13 @@ class Experts(nn.Module):
                 out += y
             else:
                 out.index_add_(0, rows, y)
-        return out.to(dtype)
+        return out
+
+    def shared_expert(self, h: torch.Tensor, exact) -> torch.Tensor:
+        """h [M, dim] → sigmoid(shared_gate . h) x the shared gated MLP of h, fp32 [M, dim] (Qwen3.5-MoE), which
+        forward adds to the routed experts' sum as transformers does (expert_output + shared_expert_output).
+        Every row runs it whatever it chose, so it is one batched call; the gate's dot product takes the exact
+        path, like the router's, so a row's scale is the same at any M."""
+        gate, up = self.shared.gate_up(h, exact)
+        y = self.shared.w_down(self.act(gate, up), exact, torch.float32)  # [M, dim]
+        return torch.sigmoid(self.shared_gate(h, True, torch.float32)) * y  # [M, 1] scales

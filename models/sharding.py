@@ -86,6 +86,9 @@ def check_split(c: LlamaConfig, world: int, group_of) -> None:
         raise ValueError(f"--tp must be >= 1, got {world}")
     if c.n_experts and world > 1:  # each rank would need its share of every expert: not built yet
         raise ValueError(f"--tp {world}: mixture-of-experts models ({c.arch}) run in one process; leave --tp out")
+    if c.recurrent_layers is not None and world > 1:  # each rank's share of the DeltaNet heads and state: not built
+        raise ValueError(f"--tp {world}: hybrid models with recurrent layers ({c.arch}) run in one process; "
+                         "leave --tp out")
     problems = []
     for what, n in (("attention heads", c.n_heads), ("KV heads", c.n_kv_heads), ("MLP columns", c.hidden_dim)):
         if n % world:

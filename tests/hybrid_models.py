@@ -1,4 +1,4 @@
-"""Tiny random Qwen3.5 models (hybrid: Gated DeltaNet layers beside gated full attention), built by
+"""Tiny random Qwen3.5 models, dense and MoE (hybrid: Gated DeltaNet layers beside gated full attention), built by
 transformers with the family's quirks switched on, for tests/test_hybrid.py and tests/bench/."""
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ QWEN35 = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_a
               rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
                                    mrope_section=[4, 2, 2], mrope_interleaved=True),
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# Qwen3.5-MoE: the same hybrid block with 8 experts of 128 columns, 2 per token, and a shared expert of 192
+# columns (a size of its own, so a loader that swaps the two sizes fails on shapes)
+QWEN35_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=192)
 LOGIT_STD = 3.0
 
 
@@ -45,13 +48,19 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             elif "embed_tokens" in name or "lm_head" in name:
                 p.copy_(LOGIT_STD / math.sqrt(dim) * torch.randn(p.shape, generator=g))
             else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+                # [.., N, K] (the experts' stacked [E, N, K] too): unit gain over the K inputs
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
 
 
-def build(vocab: int, seed: int = 0, **overrides):
-    """A tiny Qwen3.5 (Qwen3_5ForCausalLM, text only), randomized."""
-    config = transformers.Qwen3_5TextConfig(**{**QWEN35, **overrides, "vocab_size": vocab})
-    model = transformers.Qwen3_5ForCausalLM(config).float().eval()
+def build(vocab: int, seed: int = 0, moe: bool = False, **overrides):
+    """A tiny Qwen3.5 (Qwen3_5ForCausalLM, text only), or with moe its mixture-of-experts sibling
+    (Qwen3_5MoeForCausalLM: every layer's MLP routed experts plus a gated shared expert), randomized."""
+    if moe:
+        config = transformers.Qwen3_5MoeTextConfig(**{**QWEN35, **QWEN35_MOE, **overrides, "vocab_size": vocab})
+        model = transformers.Qwen3_5MoeForCausalLM(config).float().eval()
+    else:
+        config = transformers.Qwen3_5TextConfig(**{**QWEN35, **overrides, "vocab_size": vocab})
+        model = transformers.Qwen3_5ForCausalLM(config).float().eval()
     randomize(model, seed)
     return model
 
@@ -69,6 +78,15 @@ def save(model, tokenizer_dir, d, mtp: bool = True):
     model.save_pretrained(d, safe_serialization=True)
     if tokenizer_dir is not None:
         transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(d)
+        if model.config.model_type == "qwen3_5_moe_text":
+            # transformers 5 loads a qwen3_5_moe_text checkpoint's tokenizer as Qwen3_5Tokenizer whatever its
+            # files say, rebuilding Qwen's pre-tokenizer around the borrowed (SmolLM2) vocabulary, which the
+            # converter then cannot identify; the dense type keeps the files' tokenizer. The converter picks its
+            # class from `architectures` (Qwen3_5MoeForCausalLM) and reads every MoE key as before
+            import json
+
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5_text"}, indent=2))
     if mtp:
         c, sd = model.config, model.state_dict()
         full = c.layer_types.index("full_attention")

@@ -142,7 +142,15 @@ def test_ollama_client_chats_and_sees_thinking(served):
     ollama = pytest.importorskip("ollama")
     family, base = served
     client = ollama.Client(host=base, timeout=120)
-    caps = client.show(family).capabilities or []
+    shown = client.show(family)
+    caps = shown.capabilities or []
+    info = shown.modelinfo or {}
+    if family in ("qwen3moe", "gpt-oss"):  # what a token reads, beside what the model has (8 experts, 2 a token)
+        arch = info["general.architecture"]
+        assert info[f"{arch}.expert_count"] == 8 and info[f"{arch}.expert_used_count"] == 2
+        assert info["lowbit.active_parameter_count"] < info["general.parameter_count"]
+        size = next(m.size for m in client.list().models if m.model.startswith(family))
+        assert 0 < info["lowbit.weight_bytes_per_token"] < size
     assert ("thinking" in caps) == (TEMPLATES[family][2] is not None or TEMPLATES[family][1] == "harmony"), caps
     r = client.chat(family, messages=CHAT, options={"temperature": 0, "num_predict": 8},
                     **({"think": False} if family == "qwen3" else {}))

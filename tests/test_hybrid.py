@@ -1,9 +1,11 @@
-"""Qwen3.5 (hybrid: Gated DeltaNet linear attention beside gated full attention) against transformers and
-llama.cpp, on tiny random models (tests/hybrid_models.py) with the family's quirks switched on: 8 layers, 6
-of them DeltaNet (full_attention_interval 4), 2 key heads serving 4 value heads (grouped in HF's order,
-tiled in llama.cpp's GGUF), the attention output gated by sigmoid(gate) from q_proj's interleaved rows,
-q/k norms stored as w - 1, partial rotary (16 of 64 dims), and in the checkpoint a multi-token-prediction
-block that the converter appends as a 9th GGUF layer and the loaders must skip.
+"""Qwen3.5 and Qwen3.5-MoE (hybrid: Gated DeltaNet linear attention beside gated full attention) against
+transformers and llama.cpp, on tiny random models (tests/hybrid_models.py) with the family's quirks switched
+on: 8 layers, 6 of them DeltaNet (full_attention_interval 4), 2 key heads serving 4 value heads (grouped in
+HF's order, tiled in llama.cpp's GGUF), the attention output gated by sigmoid(gate) from q_proj's interleaved
+rows, q/k norms stored as w - 1, partial rotary (16 of 64 dims), and in the checkpoint a multi-token-prediction
+block that the converter appends as a 9th GGUF layer and the loaders must skip. The MoE: every MLP 8 experts
+of 128 columns, 2 a token (the prompts use all 8 in every layer), plus a shared expert of 192 columns scaled
+by sigmoid(its gate . x).
 
 Oracles and bounds (2 threads, the C kernels of the machine):
   safetensors f32 and GGUF F32 (llama.cpp's converter): transformers' logits, max |Δ| ≤ 1e-4 x max |logit|
@@ -49,7 +51,12 @@ QUANT_KL = 1e-6
 # Q8_0 2.8e-2, Q4_K_M 8.0e-2), which also bounds KL(lowbit ‖ llama.cpp). Ten times the dense families' (2e-3 to
 # 8e-3): llama.cpp's 8-bit activations feed the recurrence, whose state carries each token's error on; its F32
 # run of the same model is 1.3e-6 from transformers, so its DeltaNet itself is right
-LLAMA_CPP_KL = {"Q8_0": 8e-2, "Q4_K_M": 0.25}
+# The MoE (Qwen3.5-MoE) measured 0.40 and 0.67 (F32: median 8e-7, so its DeltaNet and experts are right): 15x the
+# dense model's, and all of it llama.cpp's 8-bit activations — rounding each matmul's input to q8_0 blocks in
+# torch alone moves transformers' own logits by mean KL 0.43 (dense: 0.027), the same per-position pattern: a
+# changed expert choice is a different MLP, whose effect the recurrent state then carries on
+LLAMA_CPP_KL = {("qwen35", "Q8_0"): 8e-2, ("qwen35", "Q4_K_M"): 0.25,
+                ("qwen35moe", "Q8_0"): 1.2, ("qwen35moe", "Q4_K_M"): 2.0}
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -127,23 +134,79 @@ def check_f32(lm: Llama, model, what: str) -> None:
         assert_close(torch.cat(got_other)[None], ref_other, f"{what}, the other sequence")
 
 
-def test_safetensors_f32_equals_transformers(tmp_path):
-    model = build(vocab=320, seed=7)
+def experts_used(lm: Llama, ids: torch.Tensor) -> list[set[int]]:
+    """Per layer, the experts the prompt's tokens chose (the router's own choice, models/moe.py route)."""
+    used, handles = [], []
+    for layer in lm.layers:
+        used.append(set())
+        handles.append(layer.moe.register_forward_hook(
+            lambda m, args, out, u=used[-1]: u.update(m.route(args[0])[0].flatten().tolist())))
+    try:
+        with torch.no_grad():
+            forward(lm, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return used
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
+def test_safetensors_f32_equals_transformers(tmp_path, moe):
+    """Qwen3.5 and Qwen3.5-MoE (transformers 5 saves its experts one module each, and the shared expert beside
+    them); the MoE's 64-token prompt routes to all 8 experts in every layer."""
+    model = build(vocab=320, seed=7, moe=moe)
     save(model, None, tmp_path)
     config, w, _ = load_hf_dir(tmp_path, parse_weights("f32"))
-    assert config.arch == "qwen35" and config.recurrent_layers == (True,) * 3 + (False,) + (True,) * 3 + (False,)
+    arch = "qwen35moe" if moe else "qwen35"
+    assert config.arch == arch and config.recurrent_layers == (True,) * 3 + (False,) + (True,) * 3 + (False,)
     assert config.n_kv_layers == 2 and not config.deltanet.v_tiled
-    check_f32(Llama(config, w).eval(), model, "qwen35 safetensors")
+    lm = Llama(config, w).eval()
+    if moe:
+        assert (config.n_experts, config.n_experts_used, config.expert_hidden_dim) == (8, 2, 128)
+        assert config.shared_expert_hidden_dim == 192
+        assert experts_used(lm, prompt(64, 320)) == [set(range(8))] * 8
+    check_f32(lm, model, f"{arch} safetensors")
 
 
-@pytest.fixture(scope="module")
-def files(default_gguf, tmp_path_factory):
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
+def test_parameters_count_deltanet_layers_and_the_shared_expert(moe):
+    """LlamaConfig.parameters() (`lowbit info`, /api/show) hand-computed from the tiny models' shapes, and its total
+    equal to transformers' own count of the model's parameters. dim 256, 8 layers (6 DeltaNet, 2 attention),
+    untied 320-token table."""
+    from lowbit.models.config import LlamaConfig
+    from lowbit.models.sharding import check_split
+
+    model = build(vocab=320, seed=7, moe=moe)
+    config = LlamaConfig.from_hf(model.config.to_dict())
+    dim, V = 256, 320
+    # attention: q 4 x 64 and its gate rows, k and v 2 x 64, o [256, 256], q/k norms [64]
+    attn = dim * (2 * 256 + 2 * 128) + 256 * dim + 2 * 64
+    # DeltaNet: qkv [2 x 128 + 256 = 512, 256], z [256, 256], b and a [4, 256], out [256, 256], conv [512, 4],
+    # dt_bias and A [4], the gated norm [64]
+    deltanet = dim * (512 + 256 + 2 * 4) + 256 * dim + 512 * 4 + 2 * 4 + 64
+    norms = 2 * dim
+    if moe:  # 8 experts of 128 columns (2 a token), the router [8, 256], a shared expert of 192 and its gate [256]
+        shared = 3 * dim * 192 + dim
+        mlp, mlp_active = 8 * 3 * dim * 128 + 8 * dim + shared, 2 * 3 * dim * 128 + 8 * dim + shared
+    else:
+        mlp = mlp_active = 3 * dim * 512
+    total = 2 * V * dim + 2 * attn + 6 * deltanet + 8 * (norms + mlp) + dim
+    active = V * dim + dim + 2 * attn + 6 * deltanet + 8 * (norms + mlp_active) + dim
+    assert config.parameters() == (total, active)
+    assert total == sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError) as e:
+        check_split(config, 2, lambda name: 0)
+    one_line(e, "--tp 2:", "run in one process")
+
+
+@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
+def files(default_gguf, tmp_path_factory, request):
     """(HF model, checkpoint dir, GGUF files F32 / Q8_0 / Q4_K_M made by llama.cpp's converter and quantizer),
-    with the default model's tokenizer so that the converter takes the vocabulary."""
-    d = tmp_path_factory.mktemp("qwen35")
+    with the default model's tokenizer so that the converter takes the vocabulary; Qwen3.5 and Qwen3.5-MoE."""
+    d = tmp_path_factory.mktemp(request.param)
     tok = transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
     tok.save_pretrained(d / "tok")
-    model = build(vocab=len(tok), seed=0)
+    model = build(vocab=len(tok), seed=0, moe=request.param == "qwen35moe")
     hf = save(model, d / "tok", d / "hf")
     tree = llama_cpp_source.converter_dir()
     out = {"F32": llama_cpp_source.convert(tree, hf, d / "F32.gguf")}
@@ -155,12 +218,16 @@ def files(default_gguf, tmp_path_factory):
 def test_gguf_f32_from_llama_cpps_converter_equals_transformers(files):
     model, _, paths = files
     config, w, meta = load_gguf(paths["F32"], parse_weights("f32"))
-    assert meta["qwen35.block_count"] == 9 and config.n_layers == 8  # the MTP layer is left out
-    assert config.deltanet.v_tiled and config.rotary_dim == 16
-    check_f32(Llama(config, w).eval(), model, "qwen35 GGUF F32")
+    arch = meta["general.architecture"]
+    assert meta[f"{arch}.block_count"] == 9 and config.n_layers == 8  # the MTP layer is left out
+    assert config.deltanet.v_tiled and config.rotary_dim == 16 and config.arch == arch
+    if arch == "qwen35moe":
+        assert (config.n_experts, config.n_experts_used, config.shared_expert_hidden_dim) == (8, 2, 192)
+    check_f32(Llama(config, w).eval(), model, f"{arch} GGUF F32")
 
 
-def test_engine_greedy_equals_transformers_with_chunked_prefill(tmp_path):
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
+def test_engine_greedy_equals_transformers_with_chunked_prefill(tmp_path, moe):
     """Three requests at once through the engine (f32 weights and cache): 40-token prompts prefilled in
     chunks of a 24-token step budget, so each prompt's state crosses chunk boundaries and shares steps with
     the others' decodes; each reply's 32 greedy tokens are transformers'."""
@@ -168,7 +235,7 @@ def test_engine_greedy_equals_transformers_with_chunked_prefill(tmp_path):
     from lowbit.runtime.engine.engine import Engine
     from lowbit.runtime.engine.sampler import SamplingParams
 
-    model = build(vocab=101, seed=5)  # ByteTokenizer's vocabulary
+    model = build(vocab=101, seed=5, moe=moe)  # ByteTokenizer's vocabulary
     model.save_pretrained(tmp_path, safe_serialization=True)
     config, w, _ = load_hf_dir(tmp_path, parse_weights("f32"))
     lm = Llama(config, w).eval()
@@ -281,6 +348,13 @@ GGUF_NAMES = {
     "linear_attn.in_proj_a.weight": "ssm_alpha.weight", "linear_attn.out_proj.weight": "ssm_out.weight",
     "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.dt_bias": "ssm_dt.bias",
     "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
+    # Qwen3.5-MoE: the router, the experts (HF's stacked [E, 2I, D] gate_up is the file's gate and up, stacked),
+    # the shared expert and its gate
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight", "mlp.shared_expert.up_proj.weight":
+    "ffn_up_shexp.weight", "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 
 
@@ -299,18 +373,25 @@ def dequantized_model(model, path: Path):
         idx = (tiled_of[:, None] * size + torch.arange(size)).reshape(-1)
         return x.index_select(dim, idx)
 
+    def read(g: str) -> torch.Tensor:
+        t = tensors[g]
+        return torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32))
+
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for hf_name, p in ref.named_parameters():
             if hf_name.startswith("model.layers."):
                 i, rest = hf_name[len("model.layers."):].split(".", 1)
-                g = f"blk.{i}.{GGUF_NAMES[rest]}"
+                names = GGUF_NAMES[rest]
+                g = [f"blk.{i}.{n}" for n in names] if isinstance(names, tuple) else f"blk.{i}.{names}"
             else:
                 g = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[hf_name]
-            t = tensors[g]
-            v = torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32))
-            v = v.reshape(p.shape)
+            if isinstance(g, list):  # gate_up_proj [E, 2I, D]: each expert's gate rows, then its up rows
+                E, I2, D = p.shape
+                v = torch.cat([read(n).reshape(E, I2 // 2, D) for n in g], dim=1)
+            else:
+                v = read(g).reshape(p.shape)
             if "norm" in hf_name and "linear_attn.norm" not in hf_name:
                 v = v - 1.0
             if hf_name.endswith("A_log"):
@@ -354,6 +435,7 @@ def test_dequantized_reference_maps_the_f32_file_back_exactly(files):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
 def test_quantized_gguf_is_the_files_exact_model_and_agrees_with_llama_cpp(files, qtype):
+    """Qwen3.5 and Qwen3.5-MoE (its experts sliced out of the file's 3-D tensors, its shared expert beside them)."""
     from lowbit.runtime.load.loader import load
 
     model, _, paths = files
@@ -368,8 +450,9 @@ def test_quantized_gguf_is_the_files_exact_model_and_agrees_with_llama_cpp(files
     mean = kl(ref, got).mean().item()
     assert mean <= QUANT_KL, f"{qtype}: mean KL {mean:.3g} against the dequantized file (≤ {QUANT_KL})"
     theirs = llama_cpp_logits(path, ids[0].tolist())
-    bound = LLAMA_CPP_KL[qtype]
+    arch = lm.config.arch
+    bound = LLAMA_CPP_KL[(arch, qtype)]
     their_err, apart = kl(ref, theirs).mean().item(), kl(theirs, got).mean().item()
-    print(f"qwen35 {qtype}: lowbit {mean:.3g}, llama.cpp {their_err:.3g} against the file; apart {apart:.3g}")
+    print(f"{arch} {qtype}: lowbit {mean:.3g}, llama.cpp {their_err:.3g} against the file; apart {apart:.3g}")
     assert their_err <= bound, f"{qtype}: llama.cpp's mean KL {their_err:.3g} (≤ {bound}): the file is wrong?"
     assert apart <= bound, f"{qtype}: lowbit and llama.cpp {apart:.3g} apart (≤ {bound})"

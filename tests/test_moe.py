@@ -68,6 +68,9 @@ def test_a_token_reads_only_its_experts_and_a_prompt_each_used_expert_once(moe_g
     from lowbit.runtime.load.loader import load
 
     lm = load(str(moe_gguf), "auto", progress=False).model
+    lm.fused_layers = None  # the per-expert loop, whose calls the hooks see (the C experts, alone or in the fused
+    for layer in lm.layers:  # block, read the experts the router names and no others: kernels/cpu_moe.c)
+        layer.fused = layer.moe.fused = None
     log, handles = _calls(lm)
     ids = torch.randint(3, lm.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(5))
     try:
@@ -216,3 +219,200 @@ def test_mxfp4_safetensors_are_refused_in_one_line(moe_files, tmp_path):
     with pytest.raises(LowbitError) as e:
         load_hf_dir(tmp_path, parse_weights("int4-g32"))
     one_line(e, "MXFP4 safetensors", "use its GGUF")
+
+
+@pytest.fixture(scope="module")
+def oss_mxfp4(default_gguf, tmp_path_factory):
+    """The tiny gpt-oss (tests/family_models.py) as users get it: llama.cpp's converter, then its quantizer's
+    MXFP4_MOE (experts MXFP4, the rest Q8_0)."""
+    d = tmp_path_factory.mktemp("oss")
+    tok = transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+    tok.save_pretrained(d / "tok")
+    model = build("gpt-oss", len(tok), seed=13)
+    hf = save(model, d / "tok", d / "hf", "gpt-oss")
+    f32 = llama_cpp_source.convert(llama_cpp_source.converter_dir(), hf, d / "F32.gguf")
+    return model, llama_cpp_source.quantize(f32, d / "MXFP4_MOE.gguf", "MXFP4_MOE")
+
+
+def test_gpt_oss_mxfp4_experts_are_held_as_the_file_holds_them(oss_mxfp4):
+    """MXFP4 experts kept losslessly (quant/ggml.py; no requantization note), at the file's size, and the model
+    is the file's exact model: mean KL ≤ 1e-6 against transformers on the file dequantized by gguf.quants;
+    llama.cpp agrees within its own error (both truncating YaRN: tests/test_families.py says why)."""
+    import gguf
+
+    from lowbit.runtime.load.gguf import gguf_tensor_bytes, load_gguf
+    from lowbit.runtime.load.loader import load
+    from tests.test_families import _truncated_yarn, dequantized_model, kl, llama_cpp_logits, prompt
+
+    model, path = oss_mxfp4
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == "MXFP4" and types["blk.0.ffn_down_exps.weight"] == "MXFP4"
+    notes: list[str] = []
+    load_gguf(path, None, note=notes.append)
+    assert notes == []
+    lm = load(str(path), "auto", progress=False)
+    assert lm.weight_bytes <= 1.02 * gguf_tensor_bytes(path)
+    ids = prompt(256, lm.config.vocab_size, seed=3)
+    with torch.no_grad():
+        ref = dequantized_model(model, path, "gpt-oss")(ids).logits.float()[0]
+        got = forward(lm.model, ids)[0]
+    assert kl(ref, got).mean().item() <= 1e-6
+    theirs = llama_cpp_logits(path, ids[0].tolist())
+    ref_t, got_t = _truncated_yarn(model, path, ids)
+    their_err, apart = kl(ref_t, theirs).mean().item(), kl(theirs, got_t).mean().item()
+    print(f"gpt-oss MXFP4_MOE: lowbit {kl(ref, got).mean().item():.3g}; llama.cpp {their_err:.3g}, apart {apart:.3g}")
+    assert their_err <= 0.15 and apart <= 0.15  # measured 0.053, 0.053 (AMD Zen 4)
+
+
+# ---- the experts in one C call (kernels/cpu_moe.py) against the per-expert loop, bit for bit ----
+
+@pytest.fixture(scope="module")
+def oss_quants(default_gguf, tmp_path_factory) -> dict:
+    """The tiny gpt-oss (biases in every expert, clamped SwiGLU) through llama.cpp's converter and quantizer:
+    Q8_0 (int8 tiles), Q4_K_M (K-quant tiles), MXFP4_MOE (MXFP4 experts)."""
+    d = tmp_path_factory.mktemp("oss-quants")
+    tok = transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+    tok.save_pretrained(d / "tok")
+    hf = save(build("gpt-oss", len(tok), seed=14), d / "tok", d / "hf", "gpt-oss")
+    f32 = llama_cpp_source.convert(llama_cpp_source.converter_dir(), hf, d / "F32.gguf")
+    return {t: llama_cpp_source.quantize(f32, d / f"{t}.gguf", t) for t in ("Q8_0", "Q4_K_M", "MXFP4_MOE")}
+
+
+def _c_kernels():
+    from lowbit.kernels.cpu_native import native
+
+    k = native()
+    if k is None:
+        pytest.skip("the C kernels do not build here")
+    return k
+
+
+def _c_call_equals_the_loop(path: Path, isa: str) -> None:
+    """Every layer's experts on `isa`: the one C call against the per-expert loop on the same routing, for a
+    48-row step, each row alone (the loop's M = 1 form), and the rows shuffled, bit for bit."""
+    from lowbit.models.backend import torch_backend
+    from lowbit.runtime.load.loader import load
+
+    lm = load(str(path), "auto", progress=False, backend=torch_backend(_c_kernels().with_isa(isa))).model
+    g = torch.Generator().manual_seed(21)
+    for i, layer in enumerate(lm.layers):
+        moe = layer.moe
+        assert moe.fused is not None, f"layer {i}: the experts were not given to the C call"
+        h = torch.randn(48, lm.config.dim, generator=g)
+        with torch.no_grad():
+            ids, w = moe.route(h)
+            loop = moe._per_expert(h, ids, w, None)
+            one = moe.fused(h, ids, w)
+            alone = torch.cat([moe.fused(h[t:t + 1], ids[t:t + 1], w[t:t + 1]) for t in range(48)])
+            alone_loop = torch.cat([moe._per_expert(h[t:t + 1], ids[t:t + 1], w[t:t + 1], None) for t in range(48)])
+            perm = torch.randperm(48, generator=g)
+            shuffled = torch.empty_like(one)
+            shuffled[perm] = moe.fused(h[perm], ids[perm], w[perm])
+            through = moe(h, None, torch.float32)  # forward takes the C call for a fast step
+        assert ids.unique().numel() >= E - 1, f"layer {i}: the grouping is not exercised"
+        for name, got in (("one call", one), ("alone", alone), ("alone, loop", alone_loop), ("shuffled", shuffled),
+                          ("forward", through)):
+            assert torch.equal(got, loop), f"{path.name} {isa} layer {i}: {name} differs from the per-expert loop"
+
+
+@pytest.mark.parametrize("isa", ["avx2", "vnni256", "avx512"])
+def test_one_c_call_for_the_experts_equals_the_per_expert_loop_qwen3moe_q4_k_m(moe_gguf, isa):
+    if isa not in _c_kernels().isas:
+        pytest.skip(f"{isa}: not on this CPU")
+    _c_call_equals_the_loop(moe_gguf, isa)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "vnni256", "avx512"])
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M", "MXFP4_MOE"])
+def test_one_c_call_for_the_experts_equals_the_per_expert_loop_gpt_oss(oss_quants, ftype, isa):
+    """gpt-oss's shape: biases on gate, up and down, the clamped SwiGLU (the C loop both paths run)."""
+    if isa not in _c_kernels().isas:
+        pytest.skip(f"{isa}: not on this CPU")
+    _c_call_equals_the_loop(oss_quants[ftype], isa)
+
+
+def test_clamped_swiglu_c_loop_is_the_spec_within_rounding():
+    """kernels/swiglu_clamped.py: the C loop (odd widths: the 8-lane tail) against the torch spec, clamps and
+    NaN included."""
+    from lowbit.kernels.swiglu_clamped import swiglu_clamped_cpu, swiglu_clamped_ref
+
+    k = _c_kernels()
+    g = torch.Generator().manual_seed(22)
+    gate, up = 6 * torch.randn(7, 203, generator=g), 6 * torch.randn(7, 203, generator=g)
+    gate[0, :3] = torch.tensor([100.0, -100.0, float("nan")])
+    got = swiglu_clamped_cpu(gate, up, 1.702, 7.0, native=k)
+    ref = swiglu_clamped_ref(gate, up, 1.702, 7.0)
+    assert torch.isnan(got[0, 2]) and torch.isnan(ref[0, 2])
+    ok = ~torch.isnan(ref)
+    assert torch.allclose(got[ok], ref[ok], rtol=1e-6, atol=1e-6)
+
+
+def _decode_three_ways(path: Path, isa: str) -> None:
+    """A 6-token prompt (exact rows, op by op), then 3 decode steps of 3 sequences: in one C call for every
+    layer (kernels/cpu_block.c lowbit_decode_paged_layers with the MoE inside each block), block by block
+    through the fused halves, and op by op (the C router and the C experts as separate calls) — the same
+    logits bit for bit."""
+    from lowbit.models.backend import torch_backend
+    from lowbit.runtime.load.loader import load
+    from tests.helpers import Sequences
+
+    model = load(str(path), "auto", progress=False, backend=torch_backend(_c_kernels().with_isa(isa))).model
+    assert model.fused_layers is not None and all(b.fused is not None for b in model.layers)
+    ids = torch.randint(3, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(23))
+    saved, saved_layers = [b.fused for b in model.layers], model.fused_layers
+
+    def steps(how: str) -> torch.Tensor:
+        model.fused_layers = saved_layers if how == "one call" else None
+        for b, f in zip(model.layers, saved):
+            b.fused = None if how == "op by op" else f
+        try:
+            with torch.inference_mode():
+                seqs = Sequences(model, 3, 12)
+                seqs.step(ids[:, :6], exact=True)
+                return torch.cat([seqs.step(ids[:, t:t + 1], exact=False) for t in range(6, 9)], 1)
+        finally:
+            model.fused_layers = saved_layers
+            for b, f in zip(model.layers, saved):
+                b.fused = f
+
+    one, blocks, ops = steps("one call"), steps("blocks"), steps("op by op")
+    assert torch.isfinite(one).all() and one.abs().max() > 0
+    assert torch.equal(one, blocks), f"{path.name} {isa}: the one-call step differs from the fused blocks"
+    assert torch.equal(one, ops), f"{path.name} {isa}: the fused step differs from the op-by-op step"
+
+
+@pytest.mark.parametrize("isa", ["avx2", "vnni256", "avx512"])
+def test_fused_decode_with_experts_equals_op_by_op_qwen3moe(moe_gguf, isa):
+    if isa not in _c_kernels().isas:
+        pytest.skip(f"{isa}: not on this CPU")
+    _decode_three_ways(moe_gguf, isa)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M", "MXFP4_MOE"])
+def test_fused_decode_with_experts_equals_op_by_op_gpt_oss(oss_quants, ftype, isa):
+    """gpt-oss in the fused step: attention sinks, q/k/v and o biases, alternating windows, expert biases and
+    the clamped SwiGLU, the router's softmax over its top k."""
+    if isa not in _c_kernels().isas:
+        pytest.skip(f"{isa}: not on this CPU")
+    _decode_three_ways(oss_quants[ftype], isa)
+
+
+def test_the_c_router_picks_as_torch_does_and_breaks_ties_to_the_lower_id(moe_gguf):
+    """cpu_router.c against torch's softmax / top-k / renormalisation on the same logits: the same experts
+    (random rows: no near ties), weights within fp32 rounding; on exact ties the lower id first."""
+    from lowbit.runtime.load.loader import load
+
+    lm = load(str(moe_gguf), "auto", progress=False).model
+    moe = lm.layers[0].moe
+    h = torch.randn(64, lm.config.dim, generator=torch.Generator().manual_seed(24))
+    with torch.no_grad():
+        ids, w = moe.route(h)
+        logits = moe.router(h, True, torch.float32)
+    probs = torch.softmax(logits, -1)
+    top, ref = torch.topk(probs, K, -1)
+    assert torch.equal(ids, ref)
+    assert torch.allclose(w, top / top.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+    tie = torch.zeros(1, lm.config.dim)  # all logits equal the bias (none here): every expert ties
+    tids, tw = moe.route(tie)
+    assert tids.tolist() == [[0, 1]] and torch.allclose(tw, torch.full((1, 2), 0.5))

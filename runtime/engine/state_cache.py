@@ -43,16 +43,17 @@ class StateCache:
         """A new step: the previous step's journal is settled (verified or not needed)."""
         self._journal.clear()
 
-    def record(self, layer: int, slot: int, conv_before: torch.Tensor, raw: torch.Tensor, inputs: tuple) -> None:
+    def record(self, layer: int, slot: int, conv_before: torch.Tensor, raw: torch.Tensor, inputs: tuple,
+               rule=delta_rule_ref) -> None:
         """Called by the model for a speculative chunk, before its recurrence runs: the conv state it started
-        from, its raw conv inputs [n, C] and the recurrence inputs (q, k [n, Hv, Dk], v [n, Hv, Dv], g, beta
-        [n, Hv])."""
-        self._journal[(layer, slot)] = (conv_before, self.rec[layer][slot].clone(), raw, inputs)
+        from, its raw conv inputs [n, C], the recurrence inputs (q, k [n, Hv, Dk], v [n, Hv, Dv], g, beta
+        [n, Hv]) and the rule that runs them (the torch spec, or the C step: `keep` replays with the same)."""
+        self._journal[(layer, slot)] = (conv_before, self.rec[layer][slot].clone(), raw, inputs, rule)
 
     def keep(self, slot: int, n: int) -> None:
         """Keep the first n tokens of the slot's journaled chunk in its state (the rest were rejected)."""
         for key in [k for k in self._journal if k[1] == slot]:
-            conv0, rec0, raw, (q, k, v, g, beta) = self._journal.pop(key)
+            conv0, rec0, raw, (q, k, v, g, beta), rule = self._journal.pop(key)
             if n == raw.shape[0]:
                 continue  # every token kept: the state already is this
             layer = key[0]
@@ -60,7 +61,7 @@ class StateCache:
             xx = torch.cat([conv0.t(), raw[:n]], dim=0)  # [K - 1 + n, C]
             self.conv[layer][slot].copy_(xx[-taps:].t())
             self.rec[layer][slot].copy_(rec0)
-            delta_rule_ref(q[:n], k[:n], v[:n], g[:n], beta[:n], self.rec[layer][slot])
+            rule(q[:n], k[:n], v[:n], g[:n], beta[:n], self.rec[layer][slot])
 
     def save(self, slots: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the slots' states, per layer (verified greedy's drafting runs the target model itself

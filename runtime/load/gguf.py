@@ -19,6 +19,7 @@ from lowbit.models.rope import head_rows, rotary_row_order
 from lowbit.quant import WeightSpec
 from lowbit.quant.ggml import LOSSLESS, REQUANTIZED, SUPPORTED, from_file_lazily, load_matrix, to_float_tensor
 from lowbit.runtime.errors import LowbitError
+from lowbit.runtime.load.expert_tiles import ExpertPacks, ExpertRows
 from lowbit.runtime.load.gguf_file import GGUFFile, TensorInfo
 
 
@@ -124,6 +125,8 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
             raise LowbitError(f"{path}: missing tensor {name} ({family})")
         return tensors[name]
 
+    packs: dict[str, ExpertPacks] = {}  # a 3-D expert tensor's experts, packed a chunk per C call (expert_tiles.py)
+
     def vector(name: str, size: int | None = None, rows: torch.Tensor | None = None):
         t = tensor(name)
         if size is not None and int(t.n_elements) != size:
@@ -149,12 +152,15 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
             if expert >= E:
                 raise LowbitError(f"{path}: tensor {name} holds {E} experts, but the metadata implies more")
             nb = t.n_bytes // E
+            if name not in packs:
+                packs[name] = ExpertPacks(str(f.path), t.data_offset, E, N, nb // N)
             t = replace(t, shape=(K, N), n_elements=K * N, n_bytes=nb, data_offset=t.data_offset + expert * nb,
                         data=t.data[expert * nb:(expert + 1) * nb])
 
         def make():
             if spec is None and t.tensor_type in LOSSLESS and K % 32 == 0:  # left in the file until packed
-                w = from_file_lazily(t.tensor_type, N, K, TensorRows(f, t, N))
+                src = TensorRows(f, t, N)
+                w = from_file_lazily(t.tensor_type, N, K, src if expert is None else ExpertRows(src, packs[name], expert))
             else:
                 w = load_matrix(f.read(t), t.tensor_type, N, K, spec)
             return w if rows is None else w.rows(rows)
@@ -205,10 +211,11 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
         else:
             make[p + "wq"] = matrix(b + "attn_q.weight", target, q_rows, (q_dim, c.dim))
         if not c.is_recurrent(i):
-            make[p + "wk"] = matrix(b + "attn_k.weight", target, k_rows, (kv_dim, c.dim))
-            make[p + "wv"] = matrix(b + "attn_v.weight", target, None, (kv_dim, c.dim))
+            if b + "attn_qkv.weight" not in tensors:  # Phi-3's came from the fused tensor above
+                make[p + "wk"] = matrix(b + "attn_k.weight", target, k_rows, (kv_dim, c.dim))
+                make[p + "wv"] = matrix(b + "attn_v.weight", target, None, (kv_dim, c.dim))
             make[p + "wo"] = matrix(b + "attn_output.weight", target, None, (c.dim, q_dim))
-            if b + "attn_output.bias" in tensors:  # gpt-oss
+            if fam.o_bias:  # gpt-oss
                 make[p + "bo"] = vector(b + "attn_output.bias", c.dim)
             if fam.sinks:
                 make[p + "sinks"] = vector(b + "attn_sinks.weight", c.n_heads)
@@ -226,6 +233,12 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
                     if f"{b}ffn_{n}_exps.bias" in tensors:
                         make[f"{pe}b_{n}"] = vector(f"{b}ffn_{n}_exps.bias", c.n_experts * size,
                                                     e * size + torch.arange(size))
+            if c.shared_expert_hidden_dim:  # Qwen3.5-MoE: the shared expert and its gate [dim] (ffn_gate_inp_shexp)
+                Is, ps = c.shared_expert_hidden_dim, p + "shared."
+                make[ps + "w_gate"] = matrix(b + "ffn_gate_shexp.weight", target, None, (Is, c.dim))
+                make[ps + "w_up"] = matrix(b + "ffn_up_shexp.weight", target, None, (Is, c.dim))
+                make[ps + "w_down"] = matrix(b + "ffn_down_shexp.weight", target, None, (c.dim, Is))
+                make[p + "shared_gate"] = vector(b + "ffn_gate_inp_shexp.weight", c.dim)
         elif b + "ffn_gate.weight" not in tensors and fam.fused_tensors:  # ffn_up holds [gate; up] (Phi-3)
             whole = (2 * c.hidden_dim, c.dim)
             make[p + "w_gate"] = matrix(b + "ffn_up.weight", target, _within(None, 0, c.hidden_dim), whole)

@@ -245,7 +245,7 @@ def _plan(c: LlamaConfig, prefix: str, packed: PackedSpec | None = None,
                 plan.append((lp + n, hp + hf, mats[n], "matrix", own.get(n)))
         if c.qkv_bias:
             plan += [(lp + n, hp + hf, biases[n], "vector", own.get(n)) for n, hf in LAYER_BIASES.items()]
-        if where is not None and hp + "self_attn.o_proj.bias" in where:  # gpt-oss
+        if fam.o_bias:
             plan.append((lp + "bo", hp + "self_attn.o_proj.bias", (D,), "vector", None))
         if fam.sinks:
             plan.append((lp + "sinks", hp + "self_attn.sinks", (c.n_heads,), "vector", None))
@@ -304,6 +304,12 @@ def _expert_plan(c: LlamaConfig, hp: str, lp: str, where: dict | None) -> list:
             plan += [(le + "w_gate", he + "gate_proj.weight", (I, D), "matrix", None),
                      (le + "w_up", he + "up_proj.weight", (I, D), "matrix", None),
                      (le + "w_down", he + "down_proj.weight", (D, I), "matrix", None)]
+    if c.shared_expert_hidden_dim:  # Qwen3.5-MoE: the shared expert's gated MLP and its gate [1, D], kept in fp32
+        Is, sh = c.shared_expert_hidden_dim, hp + "mlp.shared_expert."
+        plan += [(lp + "shared.w_gate", sh + "gate_proj.weight", (Is, D), "matrix", None),
+                 (lp + "shared.w_up", sh + "up_proj.weight", (Is, D), "matrix", None),
+                 (lp + "shared.w_down", sh + "down_proj.weight", (D, Is), "matrix", None),
+                 (lp + "shared_gate", hp + "mlp.shared_expert_gate.weight", (1, D), "vector", None)]
     return plan
 
 

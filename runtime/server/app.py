@@ -252,11 +252,14 @@ def build_app(served: Served | None = None, api_key: str | None = None,
         try:  # the first compile builds the vocabulary's trie (~0.1 s for 49k tokens): off the event loop
             if req.schema is not None:
                 grammars = [await asyncio.to_thread(state.grammars.compile, req.schema) for _ in req.params]
+            elif req.lark is not None:
+                grammars = [await asyncio.to_thread(state.grammars.compile_lark, req.lark) for _ in req.params]
             elif lazy is not None:
                 bodies = [await asyncio.to_thread(state.grammars.compile_lark, lazy[1]) for _ in req.params]
                 grammars = [LazyGrammar(lazy[0], b, served.tokenizer) for b in bodies]
         except GrammarError as e:
-            raise bad_request(str(e), "tools" if req.tools and (req.tools.schema or lazy) else "response_format") from None
+            tools = req.tools and (req.tools.schema or lazy or req.lark)
+            raise bad_request(str(e), "tools" if tools else "response_format") from None
         opened: list[tuple[AsyncIterator[Delta], Delta]] = []
 
         async def close_all() -> None:

@@ -192,6 +192,13 @@ def _card(served, since: str) -> _Card:
                      f"{arch}.attention.key_length": c.head_dim, f"{arch}.attention.value_length": c.head_dim,
                      f"{arch}.attention.layer_norm_rms_epsilon": c.norm_eps, f"{arch}.rope.freq_base": c.rope_theta,
                      f"{arch}.vocab_size": c.vocab_size})
+        # what a token costs, beside what the model has: a mixture of experts reads k of its E experts
+        info["lowbit.active_parameter_count"] = c.parameters()[1]
+        if hasattr(model, "bytes_per_token"):
+            info["lowbit.weight_bytes_per_token"] = model.bytes_per_token()
+        if c.n_experts:
+            info.update({f"{arch}.expert_count": c.n_experts, f"{arch}.expert_used_count": c.n_experts_used,
+                         f"{arch}.expert_feed_forward_length": c.expert_hidden_dim})
     # not a file's hash (the server knows no file): an id of what is served, stable while it runs
     digest = hashlib.sha256(json.dumps([served.model_name, size, served.formats], sort_keys=True,
                                        default=str).encode()).hexdigest()

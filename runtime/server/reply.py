@@ -13,12 +13,16 @@ reasoning, never content.
 Tool calls, per `ToolPlan.mode` (server/tools.py): the constrained JSON shapes (`named`,
 `required`, `generic`) are parsed when the reply ends (they always parse; a `generic` answer's
 `response` string streams as it is decoded); the native formats are found in the text, and a call
-whose JSON does not parse stays in the content, as vLLM and llama.cpp leave it.
+whose JSON does not parse stays in the content, as vLLM and llama.cpp leave it. `qwen3_xml` is read
+like `hermes` (the same `<tool_call>` markers), each block's XML by server/qwen_xml.py, its parameters
+typed by the function's schema (`tools`).
 """
 
 from __future__ import annotations
 
 import json
+
+from lowbit.runtime.server.qwen_xml import parse_call
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # (open, close) think tags in the order a template is searched for them
@@ -29,6 +33,7 @@ def think_tags(template: str | None) -> tuple[str, str] | None:
     """The think tags a chat template teaches, or None where it has none."""
     return next((tags for tags in THINK_TAGS if tags[0] in (template or "")), None)
 
+_TAGGED = ("hermes", "qwen3_xml")  # the formats whose calls sit between <tool_call> and </tool_call>
 _GENERIC_ANSWER = '{"response": "'  # the generic grammar's separators are fixed (engine/grammar.py)
 
 
@@ -82,16 +87,18 @@ def _calls(values, args_key: str = "arguments") -> list[tuple[str, str]] | None:
 
 class ReplyParser:
     def __init__(self, mode: str | None, think: tuple[str, str] | None = None, in_think: bool = False,
-                 named: str | None = None):
+                 named: str | None = None, tools: dict[str, dict] | None = None):
         """mode: ToolPlan.mode, or None for a reply without tools. think: the template's think tags
-        (open, close), or None; in_think: the prompt ends inside an open think block."""
-        self.mode, self.named = mode, named
+        (open, close), or None; in_think: the prompt ends inside an open think block. tools: each
+        function's parameters schema by name (qwen3_xml types its parameters' text by them)."""
+        self.mode, self.named, self.tools = mode, named, tools or {}
         self.open, self.close = think or THINK_TAGS[0]
         self.think = "open" if in_think else ("start" if think else "off")  # start: a block may open
         self.pending = ""  # text not yet decided
         self.body = ""  # the tool part of the reply, parsed when complete
         self.state = "text"  # text | call (inside a native call) | json (the whole reply is JSON)
         self.after_think = False  # the think block just closed
+        self.after_call = False  # qwen3_xml: a call just closed, and only whitespace came since
         self.call = ""  # a native call's JSON, between its markers
         self.sent = 0  # generic answers: characters of the response string already sent
         if mode in ("named", "required", "generic"):
@@ -155,21 +162,30 @@ class ReplyParser:
                 body, self.body = self.body, ""
                 return [("content", body)] if body else []
             return []
-        open_, close = ("<tool_call>", "</tool_call>") if self.mode == "hermes" else ("[TOOL_CALLS]", None)
+        open_, close = ("<tool_call>", "</tool_call>") if self.mode in _TAGGED else ("[TOOL_CALLS]", None)
         out = []
         self.body += text
         while self.body:
             if self.state == "text":
+                if self.after_call:  # the newline the template puts between calls is no content
+                    self.body = self.body.lstrip()
+                    self.after_call = not self.body
+                    if not self.body:
+                        return out
                 at = self.body.find(open_)
                 if self.mode == "mistral" and at < 0 and self.body.lstrip().startswith('[{"name"'):
                     at, open_ = self.body.index("["), ""  # the marker is a control token the stream drops
                 if at < 0:
                     keep = _held(self.body, open_) or (len(self.body) if self.mode == "mistral" and
                                                        '[{"name"'.startswith(self.body.lstrip()) else 0)
+                    if self.mode == "qwen3_xml":  # hold trailing whitespace too: before a call it is dropped
+                        head = self.body[: len(self.body) - keep]
+                        keep += len(head) - len(head.rstrip())
                     self.body = _release("content", self.body, keep, out)
                     return out
-                if at:
-                    out.append(("content", self.body[:at]))
+                pre = self.body[:at].rstrip() if self.mode == "qwen3_xml" else self.body[:at]
+                if pre:  # qwen3_xml: less the "\n\n" its template writes between content and the calls
+                    out.append(("content", pre))
                 self.body, self.state, self.call = self.body[at + len(open_):], "call", ""
             else:
                 if close is None:  # mistral: the rest of the reply is the call list
@@ -181,11 +197,15 @@ class ReplyParser:
                 if end < 0:
                     return out
                 self.body, self.call = self.call[end + len(close):], self.call[:end]
-                out += self._native_call(self.call, open_ + self.call + close)
-                self.state = "text"
+                done = self._native_call(self.call, open_ + self.call + close)
+                out += done
+                self.state, self.after_call = "text", self.mode == "qwen3_xml" and done[0][0] == "call"
         return out
 
     def _native_call(self, body: str, raw: str) -> list[tuple[str, object]]:
+        if self.mode == "qwen3_xml":
+            call = parse_call(body, self.tools)
+            return [("call", call)] if call else [("content", raw)]
         calls = _calls(_json_values(body.strip()) or [None])
         return [("call", c) for c in calls] if calls else [("content", raw)]
 
@@ -228,7 +248,7 @@ class ReplyParser:
             calls = _calls(_json_values(body) or [None], "parameters")
             return [("call", c) for c in calls] if calls else [("content", self.body)]
         if self.state == "call":
-            open_ = "<tool_call>" if self.mode == "hermes" else "[TOOL_CALLS]"
+            open_ = "<tool_call>" if self.mode in _TAGGED else "[TOOL_CALLS]"
             return self._native_call(self.call, open_ + self.call)  # closed by the end of the reply
         body, self.body = self.body, ""
         return [("content", body)] if body else []

@@ -18,7 +18,7 @@ from lowbit.runtime.server.body import decode_json
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
 from lowbit.runtime.server.harmony import harmony_history, is_harmony
 from lowbit.runtime.server.reply import think_tags
-from lowbit.runtime.server.tools import ToolPlan, history_message, parse_tools, prompt_messages
+from lowbit.runtime.server.tools import ToolPlan, history_message, parse_tools, prompt_messages, reply_grammar
 from lowbit.runtime.engine.sampler import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("lowbit.server")
@@ -77,6 +77,7 @@ class Parsed:
     think: tuple[str, str] | None = None  # the template's think tags: a leading block in them is reasoning
     in_think: bool = False  # the prompt itself opened the think block
     harmony: bool = False  # the template writes gpt-oss's harmony format: server/harmony.py reads the reply
+    lark: str | None = None  # a Lark grammar for every choice, where no JSON schema says it (tools.reply_grammar)
 
 
 class RequestParser:
@@ -128,14 +129,15 @@ class RequestParser:
         think = think_tags(template)
         # decoded, not matched by id: a byte vocabulary spells the tag out
         in_think = think is not None and self.tok.decode(ids[-16:]).rstrip().endswith(think[0])
-        if plan is not None and plan.schema is not None:
+        lark = reply_grammar(plan, in_think)
+        if plan is not None and (plan.schema is not None or lark is not None):
             if parsed.schema is not None:
                 raise bad_request("response_format cannot be combined with tool_choice 'required', a named "
                                   "function, or tools on a template without tool support", "response_format")
             parsed = replace(parsed, schema=plan.schema)
         if harmony:  # its channel markers are special tokens the reply parser must see
             parsed = replace(parsed, params=[replace(p, skip_special_tokens=False) for p in parsed.params])
-        return replace(parsed, tools=plan, think=think, in_think=in_think, harmony=harmony)
+        return replace(parsed, tools=plan, think=think, in_think=in_think, harmony=harmony, lark=lark)
 
     def completion(self, body: dict) -> Parsed:
         self._unsupported(body, chat=False)

@@ -37,7 +37,8 @@ def reply_parser(req: Parsed) -> ReplyParser | HarmonyParser:
     plan = req.tools
     if req.harmony and req.schema is None:
         return HarmonyParser(calls=plan is not None and plan.mode == "harmony")
-    return ReplyParser(plan.mode if plan else None, req.think, req.in_think, plan.named if plan else None)
+    return ReplyParser(plan.mode if plan else None, req.think, req.in_think, plan.named if plan else None,
+                       {t.name: t.parameters for t in plan.tools} if plan else None)
 
 
 async def replies(req: Parsed, events: AsyncIterator[tuple[int, Delta]]):

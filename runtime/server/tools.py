@@ -4,6 +4,8 @@ calls in, and the JSON schema that constrains it when the reply must parse.
 
 Formats (how the model's own template teaches it to call):
 - `hermes`: `<tool_call>{"name": …, "arguments": {…}}</tool_call>` (Hermes, Qwen2.5, Qwen3);
+- `qwen3_xml`: `<tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n…</function>\n</tool_call>`
+  (Qwen3-Coder, Qwen3.5; server/qwen_xml.py reads it and writes its grammar);
 - `llama3_json`: a bare `{"name": …, "parameters": {…}}` reply, optionally after `<|python_tag|>`
   (Llama 3.1-3.3);
 - `mistral`: `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`;
@@ -16,8 +18,10 @@ Formats (how the model's own template teaches it to call):
 
 `required` and a named function are constrained in every format (as vLLM does it): the reply is a
 JSON list of calls (`required`) or the function's arguments object (named), so every call parses and
-its arguments match the function's schema. `auto` in a native format is unconstrained; the reply
-parser (server/reply.py) finds the calls in the text.
+its arguments match the function's schema. `qwen3_xml` is the exception: its grammar writes the
+calls in the template's own XML (`reply_grammar`), since a JSON reply is nothing that model was taught.
+`auto` in a native format is free text until the model opens a call, then the call is held to the
+schemas (`lazy_grammar`); the reply parser (server/reply.py) finds the calls in the text.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from dataclasses import dataclass, field, replace
 
 from lowbit.runtime.server.errors import bad_request
 from lowbit.runtime.server.harmony import is_harmony
+from lowbit.runtime.server.qwen_xml import call_body, calls_grammar, is_qwen_xml
 
-FORMATS = ("hermes", "llama3_json", "mistral", "harmony", "generic")
+FORMATS = ("hermes", "qwen3_xml", "llama3_json", "mistral", "harmony", "generic")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule for function names
 
 
@@ -61,6 +66,8 @@ class ToolPlan:
         (tool_choice none) None: plain content."""
         if self.choice == "none":
             return None
+        if self.format == "qwen3_xml":  # its grammar writes XML calls whatever the choice: read as text
+            return self.format
         if self.choice == "named":
             return "named"
         if self.choice == "required":
@@ -74,7 +81,7 @@ def template_format(template: str | None) -> str:
     if is_harmony(src):
         return "harmony"
     if "<tool_call>" in src:
-        return "hermes"
+        return "qwen3_xml" if is_qwen_xml(src) else "hermes"
     if "[TOOL_CALLS]" in src:
         return "mistral"
     if "<|python_tag|>" in src or ("ipython" in src and "parameters" in src):
@@ -144,7 +151,7 @@ def _calls_schema(tools: tuple[Tool, ...], parallel: bool) -> dict:
 
 def reply_schema(plan: ToolPlan) -> dict | None:
     """The JSON schema the whole reply is held to, or None when the reply is free text."""
-    if plan.choice == "none":
+    if plan.choice == "none" or plan.format == "qwen3_xml":  # qwen3_xml: reply_grammar's Lark instead
         return None
     if plan.choice == "named":
         return next(t for t in plan.tools if t.name == plan.named).parameters
@@ -165,6 +172,8 @@ def lazy_grammar(plan: ToolPlan) -> tuple[str, str] | None:
     constrained whole, free, or the format has no opening marker (a bare Llama 3 JSON reply)."""
     if plan.choice != "auto" or plan.format in ("generic", "harmony"):  # harmony: the call has no fixed opening
         return None
+    if plan.format == "qwen3_xml":
+        return "<tool_call>", call_body([(t.name, t.parameters) for t in plan.tools])
     one = {"anyOf": [_call_schema(t) for t in plan.tools]}
     if plan.format == "hermes":
         return "<tool_call>", f'start: "\\n"? call "\\n"? "</tool_call>"\ncall: %json {json.dumps(one)}'
@@ -172,6 +181,16 @@ def lazy_grammar(plan: ToolPlan) -> tuple[str, str] | None:
         return "[TOOL_CALLS]", f"start: calls\ncalls: %json {json.dumps(_calls_schema(plan.tools, plan.parallel))}"
     params = {"anyOf": [_call_schema(t, "parameters") for t in plan.tools]}
     return "<|python_tag|>", f"start: call\ncall: %json {json.dumps(params)}"
+
+
+def reply_grammar(plan: ToolPlan | None, in_think: bool) -> str | None:
+    """The Lark grammar the whole reply is held to where a JSON schema cannot say it: qwen3_xml's
+    required and named calls, in the template's XML (after the reasoning when the prompt opened a think
+    block: `in_think`). None elsewhere."""
+    if plan is None or plan.format != "qwen3_xml" or plan.choice not in ("required", "named"):
+        return None
+    tools = [(t.name, t.parameters) for t in plan.tools if plan.choice == "required" or t.name == plan.named]
+    return calls_grammar(tools, plan.parallel and plan.choice == "required", in_think)
 
 
 def generic_prompt(plan: ToolPlan) -> str:
@@ -192,8 +211,8 @@ def prompt_messages(messages: list[dict], plan: ToolPlan | None) -> tuple[list[d
     as the JSON it asks the model for."""
     if plan is None or plan.choice == "none":
         return [_plain_calls(m) for m in messages] if plan and plan.format == "generic" else messages, None
-    if plan.format != "generic" and plan.choice == "auto":
-        return messages, [t.openai() for t in plan.tools]
+    if plan.format != "generic" and (plan.choice == "auto" or plan.format == "qwen3_xml"):
+        return messages, [t.openai() for t in plan.tools]  # qwen3_xml: the grammar, not a prompt, makes it call
     out = [_plain_calls(m) for m in messages] if plan.format == "generic" else list(messages)
     text = generic_prompt(plan)
     if out and out[0]["role"] == "system":

@@ -18,6 +18,9 @@ Shapes (the vocabulary is the default model's tokenizer, 49,152 tokens, whose me
     gemma3-4b  Gemma-3-4B's (architecture gemma3): dim 2560, 34 layers, 8 / 4 heads of 256, q/k norms,
           four norms a block, GeGLU, tied, 5 local layers (window 1024) per global one
     4b    the same shapes as gemma3-4b as a plain Llama block: its same-bytes twin
+    qwen3.5-4b  Qwen3.5-4B's (architecture qwen35), 8 of its 32 layers: dim 2560, FFN 9216, tied; layers 0-2, 4-6
+          Gated DeltaNet (16 key / 32 value heads of 128, conv 4), 3 and 7 gated attention (16 / 4 heads of 256,
+          q/k norms, rotary on 64 of 256 dims)
     qwen3-30b-a3b  Qwen3-30B-A3B's (architecture qwen3moe), 8 of its 48 layers: dim 2048, 32 / 4 heads of
           128 with q/k norms, 128 experts of 768 columns, 8 per token (F32 router), untied, rope base 1e6
     gpt-oss-20b  gpt-oss-20b's (architecture gpt-oss), 4 of its 24 layers: dim 2880, 64 / 8 heads of 64 with
@@ -58,6 +61,12 @@ SHAPES = {
     "gpt-oss-20b": dict(dim=2880, n_layers=4, n_heads=64, n_kv_heads=8, head_dim=64, hidden=2880, tied=False,
                         rope_base=150000.0, name="gpt-oss-20b (4 of 24 layers)", arch="gpt-oss", window=128,
                         experts=(32, 4, 2880), oss=True),
+    # 8 of Qwen3.5-4B's 32 layers (architecture qwen35; a Q4_K_M of all 32 takes ~25 min to write and quantize on 2
+    # cores): dim 2560, FFN 9216, tied; three layers in four Gated DeltaNet (16 key heads, 32 value heads of 128,
+    # conv 4), the fourth gated attention (16 / 4 heads of 256, q/k norms, rotary on 64 dims, rope base 1e7)
+    "qwen3.5-4b": dict(dim=2560, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=256, hidden=9216, tied=True,
+                       rope_base=1e7, name="Qwen3.5-4B (8 of 32 layers)", arch="qwen35", qk_norm=True,
+                       deltanet=(16, 32, 128, 4)),
 }
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,  # llama.h LLAMA_FTYPE_MOSTLY_*
           "MXFP4_MOE": 38}
@@ -69,14 +78,26 @@ def default_dir() -> Path:
     return Path(platformdirs.user_cache_dir("lowbit")) / "bench"
 
 
+def _recurrent(s: dict, i: int) -> bool:
+    """Whether layer i is a Gated DeltaNet layer (qwen35: three in four, as llama.cpp's full_attention_interval 4)."""
+    return bool(s.get("deltanet")) and (i + 1) % 4 != 0
+
+
 def _matrices(s: dict) -> list[tuple[str, tuple[int, int]]]:
     """Every 2-D tensor of the model in file order: (name, (rows, cols))."""
     D, H, Hkv, hd, F = s["dim"], s["n_heads"], s["n_kv_heads"], s["head_dim"], s["hidden"]
     out = []
     for i in range(s["n_layers"]):
         b = f"blk.{i}."
-        out += [(b + "attn_q.weight", (H * hd, D)), (b + "attn_k.weight", (Hkv * hd, D)),
-                (b + "attn_v.weight", (Hkv * hd, D)), (b + "attn_output.weight", (D, H * hd))]
+        if _recurrent(s, i):  # in projections qkv [C, D], z [Hv Dv, D], beta and alpha [Hv, D]; out [D, Hv Dv]
+            Hk, Hv, Dh, _ = s["deltanet"]
+            out += [(b + "attn_qkv.weight", ((2 * Hk + Hv) * Dh, D)), (b + "attn_gate.weight", (Hv * Dh, D)),
+                    (b + "ssm_beta.weight", (Hv, D)), (b + "ssm_alpha.weight", (Hv, D)),
+                    (b + "ssm_out.weight", (D, Hv * Dh))]
+        else:  # qwen35's attn_q holds each head's query and its gate: twice the rows
+            q_rows = H * hd * (2 if s.get("deltanet") else 1)
+            out += [(b + "attn_q.weight", (q_rows, D)), (b + "attn_k.weight", (Hkv * hd, D)),
+                    (b + "attn_v.weight", (Hkv * hd, D)), (b + "attn_output.weight", (D, H * hd))]
         if s.get("experts"):  # E matrices each, one 3-D tensor [E, rows, cols]
             E, _, I = s["experts"]
             out += [(b + "ffn_gate_exps.weight", (E, I, D)), (b + "ffn_up_exps.weight", (E, I, D)),
@@ -103,7 +124,7 @@ def write_f16(path: Path, shape: str, tokenizer_gguf: Path) -> None:
     w.add_feed_forward_length(s["hidden"])
     w.add_head_count(s["n_heads"])
     w.add_head_count_kv(s["n_kv_heads"])
-    w.add_rope_dimension_count(s["head_dim"])
+    w.add_rope_dimension_count(s["head_dim"] // 4 if s.get("deltanet") else s["head_dim"])  # qwen35: rotary on 1/4
     w.add_key_length(s["head_dim"])
     w.add_value_length(s["head_dim"])
     if s.get("window"):
@@ -113,6 +134,15 @@ def write_f16(path: Path, shape: str, tokenizer_gguf: Path) -> None:
         w.add_expert_used_count(s["experts"][1])
         w.add_expert_feed_forward_length(s["experts"][2])
     w.add_rope_freq_base(s["rope_base"])
+    if s.get("deltanet"):  # the keys llama.cpp's qwen35 loader reads (conversion/qwen.py writes them)
+        Hk, Hv, Dh, K = s["deltanet"]
+        w.add_ssm_conv_kernel(K)
+        w.add_ssm_state_size(Dh)
+        w.add_ssm_group_count(Hk)
+        w.add_ssm_time_step_rank(Hv)
+        w.add_ssm_inner_size(Hv * Dh)
+        w.add_full_attention_interval(4)
+        w.add_rope_dimension_sections([11, 11, 10, 0])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(1)  # MOSTLY_F16
     for name, field in GGUFReader(str(tokenizer_gguf)).fields.items():
@@ -129,7 +159,12 @@ def write_f16(path: Path, shape: str, tokenizer_gguf: Path) -> None:
     oss = s.get("oss")  # gpt-oss: its MLP norm's name, sinks, and biases on attention, router and experts
     for i in range(s["n_layers"]):
         b = f"blk.{i}."
-        tensors += [(b + "attn_norm.weight", (D,)), (b + ("post_attention_norm" if oss else "ffn_norm") + ".weight", (D,))]
+        mlp_norm = "post_attention_norm" if oss or s.get("deltanet") else "ffn_norm"
+        tensors += [(b + "attn_norm.weight", (D,)), (b + mlp_norm + ".weight", (D,))]
+        if _recurrent(s, i):  # conv [C, K] (F32), dt bias, A (0 here: no decay) [Hv], the gated norm [Dv]
+            Hk, Hv, Dh, K = s["deltanet"]
+            tensors += [(b + "ssm_conv1d.weight", ((2 * Hk + Hv) * Dh, K)), (b + "ssm_dt.bias", (Hv,)),
+                        (b + "ssm_a", (Hv,)), (b + "ssm_norm.weight", (Dh,))]
         if oss:
             E, _, I = s["experts"]
             H, Hkv, hd = s["n_heads"], s["n_kv_heads"], s["head_dim"]
@@ -137,7 +172,7 @@ def write_f16(path: Path, shape: str, tokenizer_gguf: Path) -> None:
                         (b + "attn_v.bias", (Hkv * hd,)), (b + "attn_output.bias", (D,)), (b + "ffn_gate_inp.bias", (E,)),
                         (b + "ffn_gate_exps.bias", (E, I)), (b + "ffn_up_exps.bias", (E, I)),
                         (b + "ffn_down_exps.bias", (E, D))]
-        if s.get("qk_norm"):
+        if s.get("qk_norm") and not _recurrent(s, i):
             tensors += [(f"blk.{i}.attn_{n}_norm.weight", (s["head_dim"],)) for n in "qk"]
         if s.get("sandwich"):
             tensors += [(f"blk.{i}.post_attention_norm.weight", (D,)), (f"blk.{i}.post_ffw_norm.weight", (D,))]
@@ -147,7 +182,7 @@ def write_f16(path: Path, shape: str, tokenizer_gguf: Path) -> None:
     F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
 
     def is_f32(name, shp):
-        return len(shp) == 1 or "ffn_gate_inp" in name or name.endswith(".bias")
+        return len(shp) == 1 or "ffn_gate_inp" in name or name.endswith(".bias") or "ssm_conv1d" in name
 
     for name, shp in tensors:
         dtype = np.float32 if is_f32(name, shp) else np.float16
