@@ -128,3 +128,19 @@ def fix_interpreter_bf16_dot() -> None:
 
     create_dot._lowbit_bf16 = True
     builder.create_dot = create_dot
+
+
+def streamed_chat(client, **ask) -> dict:
+    """A streamed chat completion from the `openai` client, assembled as clients do it: content, the
+    reasoning_content extension, tool calls by index (name and argument pieces joined), the finish reason."""
+    out = {"content": "", "reasoning_content": "", "calls": {}, "finish": None}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for ch in chunk.choices:
+            out["content"] += ch.delta.content or ""
+            out["reasoning_content"] += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            for tc in ch.delta.tool_calls or []:
+                c = out["calls"].setdefault(tc.index, {"name": "", "arguments": ""})
+                c["name"] += tc.function.name or ""
+                c["arguments"] += tc.function.arguments or ""
+            out["finish"] = ch.finish_reason or out["finish"]
+    return out

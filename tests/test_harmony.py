@@ -30,7 +30,7 @@ from lowbit.runtime.server.harmony import HarmonyParser, is_harmony
 from lowbit.runtime.server.request import RequestParser
 from lowbit.runtime.server.tools import template_format
 from tests import llama_cpp_source
-from tests.helpers import serving
+from tests.helpers import serving, streamed_chat
 from tests.test_server import CFG
 
 # the harmony markers, special tokens of gpt-oss's tokenizer (o200k_harmony)
@@ -250,19 +250,7 @@ def script(model, tok, reply: str) -> None:
     model.script = tok.encode(reply, add_special=False)
 
 
-def _stream(client, **ask) -> dict:
-    """A streamed chat completion assembled as clients do it."""
-    out = {"content": "", "reasoning_content": "", "calls": {}, "finish": None}
-    for chunk in client.chat.completions.create(**ask, stream=True):
-        for ch in chunk.choices:
-            out["content"] += ch.delta.content or ""
-            out["reasoning_content"] += (ch.delta.model_extra or {}).get("reasoning_content") or ""
-            for tc in ch.delta.tool_calls or []:
-                c = out["calls"].setdefault(tc.index, {"name": "", "arguments": ""})
-                c["name"] += tc.function.name or ""
-                c["arguments"] += tc.function.arguments or ""
-            out["finish"] = ch.finish_reason or out["finish"]
-    return out
+_stream = streamed_chat  # tests/helpers.py
 
 
 def test_chat_reasoning_and_content(scripted):

@@ -29,7 +29,7 @@ from lowbit.runtime.server.qwen_xml import call_body, calls_grammar, parse_call
 from lowbit.runtime.server.reply import THINK_TAGS, ReplyParser, think_tags
 from lowbit.runtime.server.tools import history_message, template_format
 from tests import llama_cpp_source
-from tests.helpers import serving
+from tests.helpers import serving, streamed_chat
 from tests.test_harmony import ScriptedModel
 from tests.test_server import CFG, ByteTokenizer
 
@@ -255,19 +255,7 @@ def scripted(qwen35):
         yield model, tok, openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def streamed(client, **ask) -> dict:
-    """A streamed chat completion assembled as clients do it (tool calls by index)."""
-    out = {"content": "", "reasoning": "", "calls": {}, "finish": None}
-    for chunk in client.chat.completions.create(**ask, stream=True):
-        for ch in chunk.choices:
-            out["content"] += ch.delta.content or ""
-            out["reasoning"] += (ch.delta.model_extra or {}).get("reasoning_content") or ""
-            for tc in ch.delta.tool_calls or []:
-                c = out["calls"].setdefault(tc.index, {"name": "", "arguments": ""})
-                c["name"] += tc.function.name or ""
-                c["arguments"] += tc.function.arguments or ""
-            out["finish"] = ch.finish_reason or out["finish"]
-    return out
+streamed = streamed_chat  # tests/helpers.py
 
 
 REPLY = ("The user wants weather.\n</think>\n\nLet me check.\n\n"
@@ -291,7 +279,7 @@ def test_scripted_calls_come_out_as_tool_calls(scripted, choice):
     assert msg.model_extra["reasoning_content"] == "The user wants weather.\n"
     s = streamed(client, **ask)
     assert s["finish"] == "tool_calls" and s["content"] == (msg.content or "")
-    assert s["reasoning"] == "The user wants weather.\n" and sorted(s["calls"]) == [0, 1]
+    assert s["reasoning_content"] == "The user wants weather.\n" and sorted(s["calls"]) == [0, 1]
     assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"].values()] == want
 
 
