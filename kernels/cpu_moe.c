@@ -2,8 +2,9 @@
  *
  *   out[t] = sum over t's k chosen experts e, ascending e, of w[t, e] * (down_e(act(gate_up_e(x[t]))))
  *
- * with act SiLU-gated (Qwen3-MoE) or gpt-oss's clamped SwiGLU. The router stays in Python (Experts.route):
- * this call takes each row's k expert ids and fp32 weights.
+ * with act SiLU-gated (Qwen3-MoE) or gpt-oss's clamped SwiGLU. lowbit_moe_experts takes each row's k expert
+ * ids and fp32 weights (Experts.route, which runs cpu_router.c); lowbit_moe_team, inside the fused decode
+ * block, routes with cpu_router.c itself.
  *
  * Why: models/moe.py ran a token's k experts one QuantLinear call at a time — gate+up, activation, down,
  * multiply, add: ~6 calls and their Python per expert, 8 experts x 48 layers a token at Qwen3-30B-A3B's

@@ -122,7 +122,8 @@ class _Moe(ctypes.Structure):
 
 
 class _Block(ctypes.Structure):
-    """cpu_block.c's lowbit_block: one Llama block's shapes, norms and weights."""
+    """cpu_block.c's lowbit_block: one block's shapes, norms and weights, its attention sinks (gpt-oss) and
+    its mixture of experts (NULL for a dense MLP)."""
     _fields_ = [("dim", ctypes.c_int64), ("n_heads", ctypes.c_int64), ("n_kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("hidden", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),

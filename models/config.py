@@ -1,6 +1,6 @@
 """The model config: one frozen dataclass, built from GGUF metadata or an HF config.json dict, for
 every family of models/families.py (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM3, Ministral 3, Phi-3/4,
-Gemma 3). The family's row says which variants the block has; the numbers come from the file. The
+Gemma 3, Qwen3-MoE, gpt-oss, Qwen3.5 and Qwen3.5-MoE). The family's row says which variants the block has; the numbers come from the file. The
 model never reads files: callers pass the parsed dict in.
 """
 
