@@ -29,7 +29,7 @@ class ExpertPacks:
 
     def __init__(self, path: str, offset: int, E: int, N: int, row_bytes: int):
         self.path, self.offset, self.E, self.N, self.row_bytes = path, offset, E, N, row_bytes
-        self._chunks: dict[int, list] = {}  # chunk → [tiles uint8 [experts x T, tile bytes], experts yet to take]
+        self._chunks: dict[int, list] = {}  # chunk → [tiles uint8 [experts x T, tile bytes], {experts yet to take}]
 
     def take(self, e: int, qtype: int, K: int, out: torch.Tensor, native) -> None:
         """Expert e's tiles (out: uint8 [T, tile bytes], T = N / 16) — its chunk packed first if need be."""
@@ -42,13 +42,15 @@ class ExpertPacks:
             tiles = torch.empty((e1 - e0) * T, size, dtype=torch.uint8)
             rows = SimpleNamespace(path=self.path, offset=self.offset + e0 * self.N * self.row_bytes, perm=None)
             native.tiles_pack(qtype, rows, (e1 - e0) * self.N, K, tiles)
-            held = self._chunks[c] = [tiles, e1 - e0]
+            held = self._chunks[c] = [tiles, set(range(e0, e1))]
         i = e - c * per
         # numpy's copy: one thread (torch's copy_ of ~1 MB wakes its OpenMP team: ~7 ms a copy on the busy
         # 2-core machine, more than the packing it saves)
         out.numpy()[...] = held[0][i * T:(i + 1) * T].numpy()
-        held[1] -= 1
-        if held[1] == 0:
+        # a set, not a count: an expert asked for twice (runtime/load/gguf.py LazyWeights reads again when asked
+        # again) must not free the chunk before its neighbours have taken theirs
+        held[1].discard(e)
+        if not held[1]:
             del self._chunks[c]
 
 
