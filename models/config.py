@@ -164,6 +164,8 @@ class LlamaConfig:
         attn = self.dim * (q + 2 * kv) + q * self.dim + (q + 2 * kv if self.qkv_bias else 0)
         attn += 2 * self.head_dim if self.family.qk_norm else 0
         attn += self.dim * q if self.family.gated_attention else 0  # Qwen3.5: a gate row for every query row
+        biased = self.family.o_bias  # gpt-oss: biases on O, the router and every expert's projections
+        attn += (self.dim if biased else 0) + (self.n_heads if self.family.sinks else 0)
         recurrent = 0
         if self.deltanet is not None:  # in projections qkv [C, dim], z [Hv Dv, dim], b and a [Hv, dim]; out
             d = self.deltanet  # [dim, Hv Dv]; conv [C, K]; dt_bias, A [Hv]; the gated norm [Dv]
@@ -172,10 +174,10 @@ class LlamaConfig:
                 + 2 * d.v_heads + d.v_dim
         mixers = self.n_kv_layers * attn + (self.n_layers - self.n_kv_layers) * recurrent
         if self.n_experts:
-            expert = 3 * self.dim * self.expert_hidden_dim
+            expert = 3 * self.dim * self.expert_hidden_dim + (2 * self.expert_hidden_dim + self.dim if biased else 0)
             # the shared expert's gated MLP and its gate [dim], which every token runs
             shared = 3 * self.dim * self.shared_expert_hidden_dim + self.dim if self.shared_expert_hidden_dim else 0
-            router = self.n_experts * self.dim
+            router = self.n_experts * (self.dim + (1 if biased else 0))
             mlp, mlp_active = self.n_experts * expert + router + shared, self.n_experts_used * expert + router + shared
         else:
             mlp = mlp_active = 3 * self.dim * self.hidden_dim

@@ -416,3 +416,17 @@ def test_the_c_router_picks_as_torch_does_and_breaks_ties_to_the_lower_id(moe_gg
     tie = torch.zeros(1, lm.config.dim)  # all logits equal the bias (none here): every expert ties
     tids, tw = moe.route(tie)
     assert tids.tolist() == [[0, 1]] and torch.allclose(tw, torch.full((1, 2), 0.5))
+
+
+def test_parameter_counts_equal_transformers(moe_files, oss_mxfp4):
+    """`lowbit info`'s total equals transformers' own count of the same model (gpt-oss: biases on O, router and
+    experts, and sinks, counted too), and the active count is the total less the experts a token skips."""
+    from lowbit.runtime.load.gguf import load_gguf
+
+    for model, config in ((moe_files[0], load_hf_dir(moe_files[1] / "hf", parse_weights("f32"))[0]),
+                          (oss_mxfp4[0], load_gguf(oss_mxfp4[1], None)[0])):
+        total, active = config.parameters()
+        assert total == sum(p.numel() for p in model.parameters()), config.arch
+        per_expert = 3 * config.dim * config.expert_hidden_dim + (2 * config.expert_hidden_dim + config.dim
+                                                                   if config.arch == "gpt-oss" else 0)
+        assert total - active == config.n_layers * (E - K) * per_expert + config.vocab_size * config.dim - config.dim
