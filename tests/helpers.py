@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 from lowbit.runtime.ports import free_port
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ByteTokenizer:
@@ -144,3 +148,26 @@ def streamed_chat(client, **ask) -> dict:
                 c["arguments"] += tc.function.arguments or ""
             out["finish"] = ch.finish_reason or out["finish"]
     return out
+
+
+def kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(ref) ‖ softmax(got)) per row [T], in float64."""
+    import torch
+
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def llama_cpp_logits(path, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's logits [T, V] for `ids` on the GGUF at `path` (llama-cpp-python, 2 threads, one batch)."""
+    import numpy as np
+    import pytest
+    import torch
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(str(path), n_ctx=512, n_batch=512, logits_all=True, n_threads=2, verbose=False)
+    try:
+        llm.eval(ids)
+        return torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
+    finally:
+        llm.close()

@@ -46,7 +46,7 @@ from lowbit.runtime.load.gguf import gguf_tensor_bytes, load_gguf
 from lowbit.runtime.load.safetensors import load_hf_dir
 from tests import llama_cpp_source
 from tests.family_models import FAMILIES, SAFETENSORS_ONLY, build, save
-from tests.helpers import Sequences, forward
+from tests.helpers import Sequences, forward, kl, llama_cpp_logits
 
 transformers = importlib.import_module("transformers")
 gguf = importlib.import_module("gguf")
@@ -207,22 +207,6 @@ def dequantized_model(model, path: Path, name: str):
                 v = v - 1.0  # the converter stored 1 + w
             p.copy_(v)
     return ref
-
-
-def kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
-    """KL(softmax(ref) ‖ softmax(got)) per row [T]."""
-    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
-    return (lp.exp() * (lp - lq)).sum(-1)
-
-
-def llama_cpp_logits(path: Path, ids: list[int]) -> torch.Tensor:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(str(path), n_ctx=512, n_batch=512, logits_all=True, n_threads=2, verbose=False)
-    try:
-        llm.eval(ids)
-        return torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
-    finally:
-        llm.close()
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])

@@ -38,7 +38,7 @@ from lowbit.quant import parse_weights
 from lowbit.runtime.load.gguf import gguf_tensor_bytes, load_gguf
 from lowbit.runtime.load.safetensors import load_hf_dir
 from tests import llama_cpp_source
-from tests.helpers import ByteTokenizer, Sequences, forward, one_line
+from tests.helpers import ByteTokenizer, Sequences, forward, kl, llama_cpp_logits, one_line
 from tests.hybrid_models import build, save
 
 transformers = importlib.import_module("transformers")
@@ -408,21 +408,6 @@ def dequantized_model(model, path: Path):
                     v = heads(v, 1, Dv)
             p.copy_(v)
     return ref
-
-
-def kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
-    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
-    return (lp.exp() * (lp - lq)).sum(-1)
-
-
-def llama_cpp_logits(path: Path, ids: list[int]) -> torch.Tensor:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(str(path), n_ctx=512, n_batch=512, logits_all=True, n_threads=2, verbose=False)
-    try:
-        llm.eval(ids)
-        return torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
-    finally:
-        llm.close()
 
 
 def test_dequantized_reference_maps_the_f32_file_back_exactly(files):
