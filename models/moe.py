@@ -14,7 +14,8 @@ token chooses the same experts alone or in a prompt; every expert matmul is a ke
 same at any M; and each token's k outputs are added in ascending expert order whatever the grouping — so
 a token's row is bit-identical at any M and any mix of sequences (tests/test_moe.py), as the dense
 block's is. On CPU a fast step's experts run in one C call (kernels/cpu_moe.c), and a decode step's MoE
-blocks inside the one-call fused decode (kernels/cpu_block.c), the per-expert loop's rows bit for bit.
+blocks inside the one-call fused decode (kernels/cpu_block.c); on CUDA GGUF experts run in one grouped
+Triton launch per projection (kernels/moe_triton.py) — each the per-expert loop's rows bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from lowbit.kernels.cpu_moe import fused_experts
+from lowbit.kernels.moe_triton import GroupedGgml, grouped_mm, sort_by_expert, stack_experts
 from lowbit.models.backend import Backend
 from lowbit.quant import FloatWeight, parse_weights
 from lowbit.quant.dense import to_float
@@ -62,6 +64,7 @@ class Experts(nn.Module):
                                         for x in self.experts],
                                        (router.float().contiguous(), self.router.bias, self.k, self.rule,
                                         self.norm_topk), native=backend.native)
+        self.grouped = _grouped(self.experts)  # CUDA: the experts' GGUF blocks stacked for one launch, or None
         # Qwen3.5-MoE: a shared expert `shared.{w_gate,w_up,w_down}` that every token runs, and its gate
         # `shared_gate` [dim] (F32 in llama.cpp's files), a [1, dim] matrix here so it takes the exact path
         self.shared = self.shared_gate = None
@@ -94,6 +97,8 @@ class Experts(nn.Module):
         M = h.shape[0]
         if self.fused is not None and all_fast(exact, M) and h.dtype == torch.float32:
             out = self.fused(h, ids, weights)  # [M, dim]: the loop below in one C call
+        elif self.grouped is not None and not isinstance(exact, ExactRows):
+            out = self._grouped(h, ids, weights, exact)
         else:
             out = self._per_expert(h, ids, weights, exact)
         if self.shared is not None:
@@ -127,6 +132,24 @@ class Experts(nn.Module):
                 out.index_add_(0, rows, y)
         return out
 
+    def _grouped(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exact) -> torch.Tensor:
+        """The per-expert loop in two grouped launches (kernels/moe_triton.py), with no host sync → fp32 [M, dim].
+        x is what the Triton backend's matmul multiplies (fp32 on the exact path), the activation runs over
+        the padded positions, and each token adds its k weighted outputs in ascending expert order."""
+        gate_up, down = self.grouped
+        routing = sort_by_expert(ids, len(self.experts))
+        x = h.float() if exact else h
+        y = grouped_mm(x, gate_up, routing, gather=True)  # [P, 2I] at padded positions
+        gate, up = y.split(self.experts[0].gate_up.sizes, dim=-1)
+        y = grouped_mm(self.act(gate, up), down, routing, gather=False, out_dtype=torch.float32)  # [P, dim]
+        y = y[routing.where] * weights[..., None]  # [M, k, dim]: each slot's weighted output
+        by_expert = ids.argsort(dim=1)[..., None].expand_as(y)  # [M, k, dim]
+        y = y.gather(1, by_expert)
+        out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
+        for j in range(self.k):
+            out += y[:, j]
+        return out
+
     def shared_expert(self, h: torch.Tensor, exact) -> torch.Tensor:
         """h [M, dim] → sigmoid(shared_gate . h) x the shared gated MLP of h, fp32 [M, dim] (Qwen3.5-MoE), which
         forward adds to the routed experts' sum as transformers does (expert_output + shared_expert_output).
@@ -135,3 +158,22 @@ class Experts(nn.Module):
         gate, up = self.shared.gate_up(h, exact)
         y = self.shared.w_down(self.act(gate, up), exact, torch.float32)  # [M, dim]
         return torch.sigmoid(self.shared_gate(h, True, torch.float32)) * y  # [M, 1] scales
+
+
+def _grouped(experts: nn.ModuleList) -> tuple[GroupedGgml, GroupedGgml] | None:
+    """(gate+up, down) of every expert stacked for kernels/moe_triton.py when each is one Triton GGML-block
+    weight of the same types (GGUF files on CUDA); each expert's buffers become views of the stacks, so
+    the bytes are held (and counted) once. None otherwise: the per-expert loop runs."""
+    if any(len(x.gate_up.parts) != 1 for x in experts):
+        return None
+    stacks = []
+    for layers in ([x.gate_up.parts[0] for x in experts], [x.w_down for x in experts]):
+        stack = stack_experts([q.w for q in layers], [q.bias for q in layers])
+        if stack is None:
+            return None
+        for q in layers:  # the buffers now hold views of the stack
+            q.data = q.w.data
+            if q.w.data2 is not None:
+                q.data2 = q.w.data2
+        stacks.append(stack)
+    return stacks[0], stacks[1]

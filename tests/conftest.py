@@ -137,3 +137,41 @@ def decode_kernel(request):
 @pytest.fixture(scope="session")
 def byte_tokenizer() -> ByteTokenizer:
     return ByteTokenizer()
+
+
+# ---- mixture-of-experts GGUF files (tests/test_moe.py, tests/test_moe_triton.py) ----
+
+@pytest.fixture(scope="session")
+def moe_gguf(default_gguf, tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE (tests/family_models.py: 8 experts, 2 a token) through llama.cpp's converter and
+    quantizer in Q4_K_M (the converter wants a real tokenizer: the default model's)."""
+    import transformers
+
+    from tests import llama_cpp_source
+    from tests.family_models import build, save
+
+    d = tmp_path_factory.mktemp("moe-gguf")
+    tok = transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+    tok.save_pretrained(d / "tok")
+    model = build("qwen3moe", len(tok), seed=12)
+    hf = save(model, d / "tok", d / "hf", "qwen3moe")
+    tree = llama_cpp_source.converter_dir()
+    f32 = llama_cpp_source.convert(tree, hf, d / "F32.gguf")
+    return llama_cpp_source.quantize(f32, d / "Q4_K_M.gguf", "Q4_K_M")
+
+
+@pytest.fixture(scope="session")
+def oss_quants(default_gguf, tmp_path_factory) -> dict:
+    """The tiny gpt-oss (biases in every expert, clamped SwiGLU) through llama.cpp's converter and quantizer:
+    Q8_0 (int8 tiles), Q4_K_M (K-quant tiles), MXFP4_MOE (MXFP4 experts)."""
+    import transformers
+
+    from tests import llama_cpp_source
+    from tests.family_models import build, save
+
+    d = tmp_path_factory.mktemp("oss-quants")
+    tok = transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+    tok.save_pretrained(d / "tok")
+    hf = save(build("gpt-oss", len(tok), seed=14), d / "tok", d / "hf", "gpt-oss")
+    f32 = llama_cpp_source.convert(llama_cpp_source.converter_dir(), hf, d / "F32.gguf")
+    return {t: llama_cpp_source.quantize(f32, d / f"{t}.gguf", t) for t in ("Q8_0", "Q4_K_M", "MXFP4_MOE")}

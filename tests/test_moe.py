@@ -42,18 +42,6 @@ def moe_files(tmp_path_factory):
     return model, d
 
 
-@pytest.fixture(scope="module")
-def moe_gguf(default_gguf, tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("moe-gguf")
-    tok = transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
-    tok.save_pretrained(d / "tok")
-    model = build("qwen3moe", len(tok), seed=12)
-    hf = save(model, d / "tok", d / "hf", "qwen3moe")
-    tree = llama_cpp_source.converter_dir()
-    f32 = llama_cpp_source.convert(tree, hf, d / "F32.gguf")
-    return llama_cpp_source.quantize(f32, d / "Q4_K_M.gguf", "Q4_K_M")
-
-
 def _calls(lm: Llama) -> tuple[list, list]:
     """Hooks recording, per call of an expert's down projection, (layer, expert, rows)."""
     log, handles = [], []
@@ -266,18 +254,6 @@ def test_gpt_oss_mxfp4_experts_are_held_as_the_file_holds_them(oss_mxfp4):
 
 
 # ---- the experts in one C call (kernels/cpu_moe.py) against the per-expert loop, bit for bit ----
-
-@pytest.fixture(scope="module")
-def oss_quants(default_gguf, tmp_path_factory) -> dict:
-    """The tiny gpt-oss (biases in every expert, clamped SwiGLU) through llama.cpp's converter and quantizer:
-    Q8_0 (int8 tiles), Q4_K_M (K-quant tiles), MXFP4_MOE (MXFP4 experts)."""
-    d = tmp_path_factory.mktemp("oss-quants")
-    tok = transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
-    tok.save_pretrained(d / "tok")
-    hf = save(build("gpt-oss", len(tok), seed=14), d / "tok", d / "hf", "gpt-oss")
-    f32 = llama_cpp_source.convert(llama_cpp_source.converter_dir(), hf, d / "F32.gguf")
-    return {t: llama_cpp_source.quantize(f32, d / f"{t}.gguf", t) for t in ("Q8_0", "Q4_K_M", "MXFP4_MOE")}
-
 
 def _c_kernels():
     from lowbit.kernels.cpu_native import native

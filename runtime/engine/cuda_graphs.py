@@ -25,7 +25,7 @@ model that is not a single-process Llama with the fused (Triton) attention on CU
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -88,10 +88,13 @@ def why_eager(model, pool, on_cuda: bool = True) -> str | None:
         return "the KV pool has no page to spare for the padding rows"
     if getattr(pool, "states", None) is not None:  # padding rows would need a state slot; not captured yet
         return "the model has recurrent layers (a hybrid model's DeltaNet state is not graphed)"
+    if any(layer.moe is not None and layer.moe.grouped is None for layer in model.layers):
+        # the per-expert loop reads the routing on the host (models/moe.py), which a capture forbids
+        return "the model's experts are not GGUF blocks (only those take the grouped kernel, kernels/moe_triton.py)"
     return None
 
 
-def decode_graphs(model, pool, config, max_model_len: int, capture: Capture | None = None) -> "DecodeGraphs | None":
+def decode_graphs(model, pool, config, max_model_len: int, capture: Capture | None = None) -> DecodeGraphs | None:
     """The engine's graphed decode steps under `config.cuda_graphs` (runtime/engine/config.py), or None
     (eager). capture: the graph capture (default: CUDAGraphCapture on the model's device)."""
     if config.cuda_graphs is False:
