@@ -23,7 +23,7 @@ class ByteTokenizer:
     def token_bytes(self, i: int) -> bytes:
         return b"" if i == 100 else bytes([i + 32])
 
-    def encode_chat(self, messages, add_generation_prompt=True) -> list[int]:
+    def encode_chat(self, messages, add_generation_prompt=True, limit=None) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
         return [min(ord(ch) - 32, 99) for ch in text]
 

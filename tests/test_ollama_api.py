@@ -70,7 +70,7 @@ class ThinkTokenizer(ByteTokenizer):
     def __init__(self):
         self.template, self.last = ChatTemplate(THINK), None
 
-    def encode_chat(self, messages, add_generation_prompt=True, **kw):
+    def encode_chat(self, messages, add_generation_prompt=True, limit=None, **kw):
         self.last = self.template.render(messages, add_generation_prompt, **kw)
         return self.encode(self.last)
 

@@ -171,10 +171,10 @@ class LineTokenizer(ByteTokenizer):
     def token_bytes(self, i: int) -> bytes:
         return b"\n" if i == NL else super().token_bytes(i)
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = True, limit=None) -> list[int]:
         return [NL if ch == "\n" else min(max(ord(ch) - 32, 0), 94) for ch in text]
 
-    def encode_chat(self, messages, add_generation_prompt=True, **kw):
+    def encode_chat(self, messages, add_generation_prompt=True, limit=None, **kw):
         self.last = self.template.render(messages, add_generation_prompt, **kw)
         ids = self.encode(self.last)
         self.prompt_len = len(ids)

@@ -46,3 +46,28 @@ def test_reasoning_of_history_reaches_the_template(think):
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "because"},
         {"role": "user", "content": "q2"}])
     assert "<assistant>[because]a<user>q2" in tok.last
+
+
+def test_a_thinking_budget_closes_the_block_and_the_answer_follows(think):
+    """max_reasoning_tokens 5 on a model that would think forever: its first 5 tokens are the reasoning (the
+    same as unbudgeted, greedy), `</think>` (8 byte tokens here) is forced, and the rest of max_tokens is
+    content, streamed the same; thinking_budget_tokens is the same; a bad value is a 400 naming it."""
+    _, client = think
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0, logit_bias={"100": -100})
+    free = client.chat.completions.create(**ask, max_tokens=5).choices[0].message.reasoning_content
+    for field in ("max_reasoning_tokens", "thinking_budget_tokens"):
+        r = client.chat.completions.create(**ask, max_tokens=40, extra_body={field: 5})
+        m = r.choices[0].message
+        assert m.reasoning_content == free and len(m.content) == 40 - 5 - len("</think>"), (m.reasoning_content,
+                                                                                           m.content)
+        assert r.choices[0].finish_reason == "length"
+    parts = {"content": "", "reasoning_content": ""}
+    for chunk in client.chat.completions.create(**ask, max_tokens=40, stream=True,
+                                                extra_body={"max_reasoning_tokens": 5}):
+        for ch in chunk.choices:
+            parts["content"] += ch.delta.content or ""
+            parts["reasoning_content"] += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+    assert parts == {"content": m.content, "reasoning_content": free}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**ask, max_tokens=4, extra_body={"max_reasoning_tokens": -1})
+    assert e.value.body["param"] == "max_reasoning_tokens"

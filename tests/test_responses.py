@@ -1,4 +1,4 @@
-"""The Responses API (runtime/server/responses.py) on a tiny random model, judged by the official
+"""The Responses API (runtime/server/responses_api.py) on a tiny random model, judged by the official
 `openai` client, by the SDK's own pydantic models validating every object and every stream event
 strictly, by `jsonschema` for the arguments of calls, and by /v1/chat/completions on the same
 conversation: the same prompt (its token count) and, greedy, the same text."""
@@ -20,7 +20,7 @@ from lowbit.models.synthetic import random_weights
 from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.engine import AsyncEngine, Engine
 from lowbit.runtime.server.app import Served, build_app
-from lowbit.runtime.server.responses import Output
+from lowbit.runtime.server.responses_api import Output
 from tests.helpers import serving
 from tests.test_server import CFG, KEY, NAME, NO_EOS, ByteTokenizer, assert_error_shape, error_of
 

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible server (runtime/server/app.py), judged by the official `openai` client against a
-real uvicorn server on a free loopback port, over a tiny random model and a byte tokenizer."""
+"""The OpenAI-compatible server (runtime/server/openai.py, frontend.py), judged by the official `openai`
+client against a real uvicorn server on a free loopback port, over a tiny random model and a byte
+tokenizer."""
 
 from __future__ import annotations
 
@@ -37,10 +38,10 @@ class ByteTokenizer:
     def token_bytes(self, i: int) -> bytes:
         return b"" if i == 100 else bytes([32 + i % 95])
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = True, limit=None) -> list[int]:
         return [min(max(ord(ch) - 32, 0), 94) for ch in text]
 
-    def encode_chat(self, messages, add_generation_prompt=True) -> list[int]:
+    def encode_chat(self, messages, add_generation_prompt=True, limit=None) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
         return self.encode(text)
 

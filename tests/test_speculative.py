@@ -237,7 +237,7 @@ def test_served_with_speculation_reports_it_on_metrics(target, byte_tokenizer):
         def token_bytes(self, i: int) -> bytes:
             return b"" if i == 100 else bytes([32 + i % 95])
 
-        def encode(self, text: str, add_special: bool = True) -> list[int]:
+        def encode(self, text: str, add_special: bool = True, limit=None) -> list[int]:
             return [min(max(ord(ch) - 32, 0), 99) for ch in text]
 
     prompt = "abcabcabcabc"

@@ -368,3 +368,33 @@ def test_hf_dir_matches_gguf(tok, hf_tok, tmp_path):
     assert not bad, f"{len(bad)} differ, first: {bad[:3]!r}"
     assert all(hf.token_bytes(i) == tok.token_bytes(i) for i in range(tok.vocab_size))
     assert hf.apply_chat_template(_CHATS[1]) == tok.apply_chat_template(_CHATS[1])
+
+
+def test_a_text_too_long_for_the_limit_is_refused_before_it_is_encoded(tok):
+    """PromptTooLong's bound (the text's length / the longest token's bytes, 81 here) is a true lower bound
+    (never above the real count) on every test string and on long ones of repeated pieces, refuses past the
+    limit without encoding, and lets through what fits; a normalizer that may delete text gives no bound."""
+    from tokenizers import normalizers
+
+    from lowbit.runtime.load.tokenizer import PromptTooLong, _chars_per_token
+
+    longest = max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
+    pieces = sorted(range(tok.vocab_size), key=lambda i: -len(tok.token_bytes(i)))[:50]
+    texts = STRINGS + [tok.decode(pieces * 40), "x" * 50_000, " " * 9_000, "é" * 9_000]
+    for text in texts:
+        n = len(tok.encode(text, add_special=False))
+        assert -(-len(text) // longest) <= n, (text[:40], n)
+        assert tok.encode(text, add_special=False, limit=n) == tok.encode(text, add_special=False)
+    with pytest.raises(PromptTooLong) as e:
+        tok.encode("a" * 700_000, limit=8191)
+    assert e.value.at_least == -(-700_000 // longest) == 8642
+    # the normalizer decides whether the bound holds (each case by hand: what it can do to a text's length)
+    backend = tok.backend
+    cases = [(None, 81), (normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]), 81),
+             (normalizers.NFC(), 243), (normalizers.Replace("ab", ""), None), (normalizers.BertNormalizer(), None)]
+    for normalizer, want in cases:
+        backend.normalizer = normalizer
+        try:
+            assert _chars_per_token(backend, longest) == want, normalizer
+        finally:
+            backend.normalizer = None

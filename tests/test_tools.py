@@ -50,7 +50,7 @@ class TemplateTokenizer(ByteTokenizer):
     def __init__(self, source: str = HERMES):
         self.chat_template, self.template, self.last = source, ChatTemplate(source), None
 
-    def encode_chat(self, messages, add_generation_prompt=True, **kw):
+    def encode_chat(self, messages, add_generation_prompt=True, limit=None, **kw):
         self.last = self.template.render(messages, add_generation_prompt, **kw)
         return self.encode(self.last)
 

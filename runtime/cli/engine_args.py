@@ -36,6 +36,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(CPU, gloo; the threads are split among them; see docs/tp.md). Default 1")
 
 
+# --flag → SamplingParams field, for the sampling defaults `run` and `serve` take
+SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+
+
+def add_sampling_args(p: argparse.ArgumentParser, fallback: str) -> None:
+    """--temperature/--top-p/--top-k/--min-p/--repetition-penalty, unset by default: the model's own defaults
+    (generation_config.json, GGUF general.sampling.*) apply, else `fallback`'s."""
+    g = p.add_argument_group("sampling defaults", f"Each unset flag takes the model's own value "
+                                                   f"(generation_config.json or GGUF general.sampling.*), else {fallback}.")
+    g.add_argument("--temperature", type=float, default=None, metavar="T", help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass; 1 = off")
+    g.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the k most likely tokens; 0 = off")
+    g.add_argument("--min-p", type=float, default=None, metavar="P", help="drop tokens under p x the top one's; 0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=None, metavar="R", help="1 = off")
+
+
+def sampling_defaults(args, model: dict, fallback: dict) -> dict:
+    """{field: value}: the flags given, over the model's own defaults, over `fallback`."""
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None}
+    return {**fallback, **model, **given}
+
+
 def add_kv_args(p: argparse.ArgumentParser, speculative_help: str = SPECULATIVE_HELP) -> None:
     """The KV-cache and speculation flags, which `run` takes too; choices and defaults are the
     engine's own (quant/kv.py, engine/config.py)."""
@@ -147,6 +169,7 @@ def load_model(ref, args, progress: bool | None = None):
 def load_served(args, kv_memory, progress: bool | None = None):
     """Load the model and build its engine → what the server serves (`lowbit serve`, `lowbit chat`)."""
     from lowbit.runtime.engine.engine import AsyncEngine, Engine
+    from lowbit.runtime.engine.sampler import SamplingParams
     from lowbit.runtime.server.app import Served
 
     spec = parse_speculative(args.speculative)
@@ -157,6 +180,11 @@ def load_served(args, kv_memory, progress: bool | None = None):
     if progress is not False:
         print(f"lowbit: {engine.describe_pool()}", file=sys.stderr, flush=True)
     names = getattr(args, "served_model_name", None) or [lm.path.name]
+    sampling = sampling_defaults(args, lm.sampling, {})
+    try:
+        SamplingParams(**sampling)
+    except ValueError as e:
+        raise LowbitError(f"sampling defaults: {e}") from None
     return Served(AsyncEngine(engine), lm.tokenizer, names[0], engine.max_model_len,
                   {"weights": lm.weights, "kv_cache": args.kv_cache, "device": str(lm.model.device),
-                   "speculative": args.speculative}, tuple(names[1:]), getattr(args, "pooling", "mean"))
+                   "speculative": args.speculative}, tuple(names[1:]), getattr(args, "pooling", "mean"), sampling)

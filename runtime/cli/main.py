@@ -18,10 +18,12 @@ from lowbit.runtime.cli.models import add_models_parsers, cmd_info, cmd_models, 
 from lowbit.runtime.cli.run import add_run_parser, cmd_run
 from lowbit.runtime.cli.serve import add_serve_parser, cmd_serve
 from lowbit.runtime.errors import LowbitError
+from lowbit.runtime.version import lowbit_version
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lowbit", description="Quantization-first local LLM runtime.")
+    ap.add_argument("--version", action="version", version=f"lowbit {lowbit_version()}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     add_run_parser(sub)
     add_serve_parser(sub)

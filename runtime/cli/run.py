@@ -6,9 +6,12 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-from lowbit.runtime.cli.engine_args import (SPECULATIVE_HELP, add_kv_args, add_model_args, engine_config, load_draft,
-                                            load_model, parse_size, parse_speculative)
+from lowbit.runtime.cli.engine_args import (SPECULATIVE_HELP, add_kv_args, add_model_args, add_sampling_args,
+                                            engine_config, load_draft, load_model, parse_size, parse_speculative,
+                                            sampling_defaults)
 from lowbit.runtime.errors import LowbitError
+
+RUN_DEFAULTS = {"temperature": 0.7, "top_p": 0.95}  # where the model names none: a chat-like reply
 
 VERIFY_SLACK = 32  # tokens past the reply: a block of drafts (15) and page rounding (16)
 
@@ -36,9 +39,7 @@ def add_run_parser(sub) -> None:
     add_model_args(run)
     run.add_argument("--system", default=None, help="system prompt")
     run.add_argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate (default 256)")
-    run.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    run.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
-    run.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default)")
+    add_sampling_args(run, "temperature 0.7, top-p 0.95")
     run.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     run.add_argument("--fast-greedy", action="store_true",
@@ -58,14 +59,19 @@ def cmd_run(args) -> int:
         raise LowbitError("empty prompt: pass it as an argument or on stdin")
     if args.max_tokens < 1:
         raise LowbitError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    sample = lambda model: SamplingParams(**sampling_defaults(args, model, RUN_DEFAULTS),  # noqa: E731
+                                          seed=args.seed, max_tokens=args.max_tokens)
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                max_tokens=args.max_tokens)
+        sample({})  # a bad flag is one line before the model loads
     except ValueError as e:
         raise LowbitError(str(e)) from None
     kv_memory = parse_size(args.kv_memory)
     spec = parse_speculative(args.speculative)
     lm = load_model(args.model, args)
+    try:
+        params = sample(lm.sampling)
+    except ValueError as e:
+        raise LowbitError(f"the model's sampling defaults: {e}") from None
     draft = load_draft(spec, lm, args.device, args.dtype)
     tok = lm.tokenizer
     if args.raw:
@@ -86,7 +92,7 @@ def cmd_run(args) -> int:
     kv = args.kv_cache
     # verified greedy: the exact model's greedy reply, drafted by the fast kernels, over an fp32 cache
     # (so the exact pass reads back exactly what it wrote); with --tp, greedy is the fast kernels' own
-    verified = args.temperature == 0 and not args.fast_greedy and spec is None and args.tp == 1
+    verified = params.temperature == 0 and not args.fast_greedy and spec is None and args.tp == 1
     if verified:
         config = dataclasses.replace(config, kv_format="f32", speculative=VERIFIED_GREEDY,
                                      kv_memory=_room(lm, len(ids) + args.max_tokens)

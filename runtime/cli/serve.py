@@ -5,7 +5,8 @@ from __future__ import annotations
 import errno
 import os
 
-from lowbit.runtime.cli.engine_args import add_engine_args, add_model_args, check_engine_args, load_served, parse_size
+from lowbit.runtime.cli.engine_args import (add_engine_args, add_model_args, add_sampling_args, check_engine_args,
+                                            load_served, parse_size)
 from lowbit.runtime.errors import LowbitError
 
 
@@ -43,6 +44,7 @@ def add_serve_parser(sub) -> None:
                             "stopped with an error (new requests get 503 meanwhile; a second signal stops "
                             "them at once; default 10)")
     add_engine_args(serve)
+    add_sampling_args(serve, "OpenAI's temperature 1, top-p 1; a request's own values win over all")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level (default info)")
 

@@ -84,7 +84,9 @@ class GrammarCompiler:
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
                 raise GrammarError("response_format.json_schema must be an object with a \"schema\" object")
             schema = spec.get("schema", {})
-            return schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
+            schema = schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
+            # OpenAI's strict mode: only the declared properties; without it the schema is read as written
+            return closed(schema) if spec.get("strict") is True else schema
         raise GrammarError(f"response_format.type must be text, json_object or json_schema, not {kind!r}")
 
     def compile(self, schema: dict) -> "Grammar":
@@ -116,6 +118,109 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(f"unsupported JSON schema or grammar: {matcher.get_error()}")
         return Grammar(matcher, self._tokenizer.vocab_size)
+
+
+def user_lark(kind: str, value: Any) -> str:
+    """A request's own grammar as llguidance Lark: `regex` (the whole output matches it), `choice` (a
+    list of strings: the output is exactly one), `grammar` (Lark, or GBNF as llama.cpp writes it:
+    llguidance converts it). Checked here, without a tokenizer, so a mistake is the client's 400 before
+    anything is queued; raises GrammarError with a one-line reason."""
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise GrammarError("must be a non-empty regular expression")
+        lark = f"start: /{llguidance.regex_to_lark(value)}/"
+    elif kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise GrammarError("must be a non-empty list of non-empty strings")
+        lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)  # JSON escapes are Lark's
+    elif not isinstance(value, str) or not value.strip():
+        raise GrammarError("must be a Lark or GBNF grammar (a non-empty string)")
+    else:
+        try:
+            lark = any_to_lark(value)  # Lark as given (it has `start:`), else GBNF (`root ::= ...`)
+        except Exception as e:  # noqa: BLE001 -- the converter raises a bare Exception for an undefined rule
+            raise GrammarError(f"invalid GBNF grammar: {_one_line(e)}") from None
+    _check(llguidance.LLMatcher.grammar_from_lark(lark), f"invalid {kind}")
+    return lark
+
+
+def check_schema(schema: dict) -> None:
+    """Raises GrammarError (one line) where llguidance cannot hold output to `schema`."""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"invalid JSON schema: {_one_line(e)}") from None
+    _check(grammar, "unsupported JSON schema")
+
+
+def _check(grammar: str, what: str) -> None:
+    import llguidance
+
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise GrammarError(f"{what}: {_one_line(messages[0])}")
+
+
+def _one_line(e: Any) -> str:
+    """llguidance's message on one line: its first, and the regex parser's `error:` line (the rest
+    echoes the grammar with a caret under the spot)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines()]
+    return " ".join([lines[0], *(ln for ln in lines[1:] if ln.startswith("error:"))]) if lines else type(e).__name__
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object schema that does not say otherwise closed (`additionalProperties:
+    false`), as OpenAI's strict mode reads it, through properties, items, $defs and anyOf/oneOf/allOf.
+    An open object lets a small model invent properties (SmolLM2-135M wrote "allergy_to_nuts" and
+    "price" into a book_table call, 8 of 20 seeded calls) and run on into max_tokens."""
+    return _closed(schema, False)
+
+
+def _closed(s: Any, same_object: bool) -> Any:
+    """same_object: `s` is a branch of an object schema (or of allOf), describing the same object as
+    its parent: its own level stays open and the parent, closed, admits the names it declares (JSON
+    Schema's additionalProperties sees only sibling properties: closing each allOf branch would admit
+    no property at all)."""
+    if not isinstance(s, dict):
+        return s
+    out = dict(s)
+    for k in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(s.get(k), dict):
+            out[k] = {n: _closed(v, False) for n, v in s[k].items()}
+    for k in ("items", "additionalProperties", "prefixItems"):
+        v = s.get(k)
+        out[k] = [_closed(x, False) for x in v] if isinstance(v, list) else _closed(v, False)
+    obj = _is_object(s)
+    for k in ("anyOf", "oneOf", "allOf"):
+        if isinstance(s.get(k), list):
+            out[k] = [_closed(b, same_object or obj or k == "allOf") for b in s[k]]
+    out = {k: v for k, v in out.items() if k in s}
+    names = _names(s, ("anyOf", "oneOf", "allOf") if obj else ("allOf",))
+    if same_object or not (obj or names) or "additionalProperties" in s or "unevaluatedProperties" in s:
+        return out
+    # in the order declared, the parent's own first: llguidance writes properties in schema order
+    props = {**out.get("properties", {}), **{n: {} for n in names if n not in out.get("properties", {})}}
+    return {**out, **({"properties": props} if props else {}), "additionalProperties": False}
+
+
+def _is_object(s: dict) -> bool:
+    t = s.get("type")
+    return t == "object" or (isinstance(t, list) and "object" in t) or isinstance(s.get("properties"), dict)
+
+
+def _names(s: Any, keys: tuple[str, ...] = ("anyOf", "oneOf", "allOf")) -> list[str]:
+    """The property names a schema declares at its own level, those of its `keys` branches included (an
+    untyped schema's anyOf branches are objects of their own, closed each alone)."""
+    if not isinstance(s, dict):
+        return []
+    own = list(s["properties"]) if isinstance(s.get("properties"), dict) else []
+    branches = [b for k in keys if isinstance(s.get(k), list) for b in s[k]]
+    return list(dict.fromkeys(own + [n for b in branches for n in _names(b)]))
 
 
 class Grammar:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from lowbit.models.sharding import Shard, TPGroup, shard_weights
 from lowbit.quant import parse_weights
 from lowbit.runtime.errors import LowbitError
 from lowbit.runtime.load.registry import resolve
+from lowbit.runtime.load.sampling_defaults import gguf_defaults, hf_defaults
 from lowbit.runtime.load.tokenizer import Tokenizer
 
 DEFAULT_HF_WEIGHTS = "int4-g32"
@@ -30,6 +31,8 @@ class LoadedModel:
     source: str  # "gguf" | "safetensors"
     weights: str  # the --weights the model was loaded with
     load_seconds: float
+    # the model's own sampling defaults (runtime/load/sampling_defaults.py): SamplingParams fields
+    sampling: dict = field(default_factory=dict)
 
     @property
     def weight_bytes(self) -> int:
@@ -93,6 +96,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         # a GPTQ/AWQ checkpoint keeps its own codes whatever quantized layout was asked for
         method = qc.get("quant_method") if isinstance(qc, dict) and spec.quantized else None
         source, used = "safetensors", f"{method} (as stored)" if method else spec.name
+        sampling = hf_defaults(path)
     else:
         from lowbit.runtime.load.gguf_file import GGUFFile
         from lowbit.runtime.load.gguf import load_gguf
@@ -113,6 +117,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         except ValueError as e:
             raise LowbitError(f"{path}: {e}") from None
         source, used = "gguf", weights
+        sampling = gguf_defaults(meta)
     tp = None
     if shard is not None:
         try:
@@ -130,7 +135,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         if not path.is_dir():
             close()
     del w
-    return LoadedModel(model, tokenizer, config, path, source, used, time.perf_counter() - t0)
+    return LoadedModel(model, tokenizer, config, path, source, used, time.perf_counter() - t0, sampling)
 
 
 def _check_fits(path: Path, tensors: list[tuple[int, bool, int]], spec, backend, shard) -> None:

@@ -159,9 +159,10 @@ def tokenizer_parts(meta: Mapping[str, Any]) -> dict[str, Any]:
     template = _meta(meta, "tokenizer.chat_template", str, None)
     names = {"bos_token": bos, "eos_token": eos, "unk_token": special_id("unknown", defaults[2]),
              "pad_token": special_id("padding", None)}
+    fim = tuple(special_id(f"fim_{part}", None) for part in ("pre", "suf", "mid"))  # llama.cpp's converter's
     return dict(backend=backend, pieces=pieces, special_ids=special, bos_id=bos,
                 eos_ids=frozenset(ends), add_bos=add_bos, add_space_prefix=add_space_prefix,
-                chat_template=template,
+                chat_template=template, fim=fim if None not in fim else None,
                 template_tokens={k: tokens[v] for k, v in names.items() if v is not None})
 
 

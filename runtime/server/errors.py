@@ -32,10 +32,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def context_exceeded(max_model_len: int, prompt_len: int, param: str, max_tokens: int | None = None,
-                     max_key: str = "max_tokens") -> APIError:
+                     max_key: str = "max_tokens", at_least: bool = False) -> APIError:
+    """OpenAI's 400 for a prompt (plus max_tokens) over the context; at_least: prompt_len is a lower bound,
+    told from the text's length without encoding it (runtime/load/tokenizer.py PromptTooLong)."""
     if max_tokens is None:
         msg = (f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-               f"{prompt_len} tokens, leaving no room for the completion. Please shorten the prompt.")
+               f"{'at least ' if at_least else ''}{prompt_len} tokens, leaving no room for the completion. "
+               f"Please shorten the prompt.")
     else:
         msg = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "

@@ -10,7 +10,7 @@ POST /api/pull answers "success" for the model being served (it is already here)
 Every generation takes the engine path of /v1/chat/completions: an Ollama body is translated into
 an OpenAI one and parsed by `RequestParser` (server/request.py), so prompts, sampling, tools and
 `format` (JSON mode or a JSON schema, held by the grammar) get the same checks; the reply's pieces
-(server/response.py `replies`) become Ollama's messages: text, `thinking`, and tool calls whose
+(server/chat_response.py `replies`) become Ollama's messages: text, `thinking`, and tool calls whose
 arguments are objects. Ollama streams by default: NDJSON, one object a line, the last one `done`
 with the counts and timings (nanoseconds). Errors are Ollama's `{"error": "..."}` with the status,
 a client's mistake always a 4xx.
@@ -19,35 +19,39 @@ Ollama's own defaults hold where a request says nothing (temperature 0.8, top_k 
 since its clients are written against them. Load-time options (num_ctx, num_gpu, ...) and options
 this sampler lacks (typical_p, mirostat, repeat_last_n, ...) are accepted without effect: the
 model is loaded once, by `lowbit serve`. A num_predict beyond the context is cut to the room left,
-as Ollama stops there too. Not here: images (text-only models), `suffix`, a per-request `template`,
-and model management (create, copy, delete, push), which are 400s saying so.
+as Ollama stops there too. `suffix` asks for fill-in-the-middle (server/fim.py). Not here: images
+(text-only models), a per-request `template`, and model management (create, copy, delete, push),
+which are 400s saying so.
+
+Every route reads its body through `Frontend.parse`, on a worker thread: the body's decoding, the
+chat template and the tokenizer never run on the event loop. What the served model is (/api/tags,
+/api/ps, /api/show) is server/ollama_card.py.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import logging
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
-from importlib import metadata
+from functools import partial
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 
 from lowbit.runtime.engine.embedder import embed
 from lowbit.runtime.engine.sampler import MAX_LOGPROBS
-from lowbit.runtime.server.body import decode_json
+from lowbit.runtime.server.chat_response import call_id, replies
+from lowbit.runtime.server.deps import frontend, require_key
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
-from lowbit.runtime.server.harmony import is_harmony
-from lowbit.runtime.server.reply import think_tags
-from lowbit.runtime.server.request import Parsed
-from lowbit.runtime.server.response import call_id, replies
+from lowbit.runtime.server.frontend import Frontend, Served
+from lowbit.runtime.server.ollama_card import capabilities, card, entries, iso_time, model
+from lowbit.runtime.server.request import Parsed, RequestParser
+from lowbit.runtime.server.sse import sse_response
+from lowbit.runtime.version import lowbit_version
 
 log = logging.getLogger("lowbit.server")
 
@@ -64,14 +68,38 @@ _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "m
 # an OpenAI field named in a parser's error → the Ollama field the client sent
 _RENAMED = (("max_completion_tokens", "num_predict"), ("max_tokens", "num_predict"),
             ("repetition_penalty", "repeat_penalty"), ("response_format", "format"))
-# lowbit's weight layouts as the GGUF quantization names Ollama's clients show
-_QUANT_NAMES = {"int4-g32": "Q4_1", "int4-sym-g32": "Q4_0", "int8-g32": "Q8_0", "f16": "F16", "bf16": "BF16",
-                "f32": "F32"}
 _THINK_LEVELS = ("low", "medium", "high", "max")
 
 
+def _ollama_error(e: APIError) -> JSONResponse:
+    message = e.message
+    for ours, theirs in _RENAMED:
+        message = message.replace(ours, theirs)
+    return JSONResponse({"error": message}, status_code=e.status, headers=e.headers)
+
+
+class _OllamaRoute(APIRoute):
+    """A route answering every APIError in Ollama's shape, {"error": "..."} with the status: the
+    key's 401 (a router dependency, run inside this handler) included."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def answer(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as e:
+                return _ollama_error(e)
+
+        return answer
+
+
+public = APIRouter()  # what clients probe the port with, keyless as in Ollama
+router = APIRouter(dependencies=[Depends(require_key)], route_class=_OllamaRoute)
+
+
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return iso_time(time.time())
 
 
 def _ns(seconds: float) -> int:
@@ -82,31 +110,260 @@ def _line(obj: dict) -> bytes:
     return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
 
 
-def _ollama_error(e: APIError) -> JSONResponse:
-    message = e.message
-    for ours, theirs in _RENAMED:
-        message = message.replace(ours, theirs)
-    return JSONResponse({"error": message}, status_code=e.status, headers=e.headers)
+# ---- routes -----------------------------------------------------------------------------------------
+
+@public.get("/")
+async def root():
+    return PlainTextResponse("Ollama is running")
 
 
-def _ollama_errors(route):
-    """A route answering every APIError in Ollama's shape: {"error": "..."} with the status."""
+# HEAD / as well (Ollama's clients probe with it), one route of its own: a route of two methods
+# gives both one OpenAPI operation id, which FastAPI warns about and schema tools reject
+public.add_api_route("/", root, methods=["HEAD"], include_in_schema=False)
 
-    @functools.wraps(route)
-    async def wrapped(request: Request):
-        try:
-            return await route(request)
-        except APIError as e:
-            return _ollama_error(e)
 
-    return wrapped
+@public.get("/api/version")
+async def version():
+    return {"version": OLLAMA_VERSION, "lowbit": lowbit_version()}
+
+
+@router.get("/api/tags")
+async def tags(request: Request):
+    fe = frontend(request)
+    return {"models": entries(fe, fe.require())}
+
+
+@router.get("/api/ps")
+async def ps(request: Request):
+    fe = frontend(request)
+    served = fe.served
+    if served is None:  # still loading: nothing is in memory yet
+        return {"models": []}
+    c = card(fe, served)
+    device = (served.formats or {}).get("device") or getattr(model(served), "device", "cpu")
+    on_gpu = str(device).startswith("cuda")
+    return {"models": [{**e, "expires_at": "2318-01-01T00:00:00Z", "size_vram": c.size if on_gpu else 0,
+                        "context_length": served.max_model_len} for e in entries(fe, served)]}
+
+
+@router.post("/api/show")
+async def show(request: Request):
+    fe = frontend(request)
+    served = fe.require()
+    body = await fe.body(request)
+    _resolve(served, body.get("model") or body.get("name"))  # `name`: the older clients' field
+    c = card(fe, served)
+    template = getattr(served.tokenizer, "chat_template", None) or ""
+    defaults = {{"repetition_penalty": "repeat_penalty"}.get(k, k): v for k, v in {**DEFAULTS, **served.sampling}.items()}
+    parameters = "\n".join(f"{k:<30} {v}" for k, v in defaults.items())
+    modelfile = (f"# Modelfile of the model lowbit serves\nFROM {served.model_name}\n"
+                 + (f'TEMPLATE """{template}"""\n' if template else "")
+                 + "".join(f"PARAMETER {k} {v}\n" for k, v in defaults.items()))
+    return {"modelfile": modelfile, "parameters": parameters, "template": template, "details": c.details,
+            "model_info": c.model_info, "capabilities": capabilities(served), "modified_at": c.modified_at,
+            "license": ""}
+
+
+@router.post("/api/chat")
+async def chat(request: Request):
+    t0 = time.perf_counter()
+    fe = frontend(request)
+    served = fe.require()
+    name, stream, parsed = await fe.parse(request, _chat_request, fe.parser, served)
+    if not isinstance(parsed, Parsed):  # the model (un)loaded: nothing to generate
+        return parsed
+    gen = _Generation(fe, served, parsed, t0)
+    return await _run(gen, stream, partial(_chat_frame, name), gen.stats)
+
+
+@router.post("/api/generate")
+async def generate(request: Request):
+    t0 = time.perf_counter()
+    fe = frontend(request)
+    served = fe.require()
+    name, stream, parsed = await fe.parse(request, _generate_request, fe.parser, served)
+    if not isinstance(parsed, Parsed):  # the model (un)loaded: nothing to generate
+        return parsed
+    gen = _Generation(fe, served, parsed, t0)
+    return await _run(gen, stream, partial(_generate_frame, name), partial(_generate_final, gen))
+
+
+@router.post("/api/embed")
+async def embed_route(request: Request):
+    t0 = time.perf_counter()
+    fe = frontend(request)
+    served = fe.require()
+    name, ids, dimensions = await fe.parse(request, _embed_request, served)
+    vectors, n = ([], 0) if not ids else await _embeddings(fe, served, ids, dimensions)
+    return {"model": name, "embeddings": vectors, "total_duration": _ns(time.perf_counter() - t0),
+            "load_duration": 0, "prompt_eval_count": n}
+
+
+@router.post("/api/embeddings")
+async def embeddings_route(request: Request):
+    fe = frontend(request)
+    served = fe.require()
+    ids = await fe.parse(request, _embeddings_request, served)
+    if ids is None:
+        return {"embedding": []}
+    vectors, _ = await _embeddings(fe, served, ids, None)
+    return {"embedding": vectors[0]}
+
+
+@router.post("/api/pull")
+async def pull(request: Request):
+    fe = frontend(request)
+    served = fe.require()
+    body = await fe.body(request)
+    name = body.get("model") or body.get("name")
+    try:
+        _resolve(served, name)
+    except APIError as e:
+        if e.status != 404:
+            raise
+        raise APIError(404, f"model '{name}' not found: lowbit serves the model it was started with; fetch "
+                            "another with `lowbit pull` and restart `lowbit serve` on it") from None
+    return {"status": "success"}  # already here, loaded
+
+
+async def unsupported(request: Request):
+    raise bad_request(f"{request.url.path} is not supported: lowbit serves the one model it was started with "
+                      "(manage models with `lowbit pull` and `lowbit serve`)")
+
+
+for _path, _method in (("/api/create", "POST"), ("/api/copy", "POST"), ("/api/delete", "DELETE"),
+                       ("/api/push", "POST"), ("/api/blobs/{digest}", "POST"), ("/api/blobs/{digest}", "HEAD")):
+    router.add_api_route(_path, unsupported, methods=[_method])
+
+
+# ---- request: an Ollama body → an OpenAI one the parser reads (on the parse's worker thread) ----------
+
+def _chat_request(parser: RequestParser, served: Served, body: dict) -> tuple[str, bool, Parsed | dict]:
+    """An /api/chat body → (the model name answered, stream, the request to run, or the reply itself
+    when there is nothing to generate)."""
+    name, stream = _generation(served, body)
+    messages = body.get("messages") or []
+    if not messages:  # Ollama's way to load (or, with keep_alive 0, unload) a model
+        return name, stream, {"model": name, "created_at": _now(), "message": {"role": "assistant", "content": ""},
+                              "done_reason": "unload" if _keep_alive_zero(body.get("keep_alive")) else "load",
+                              "done": True}
+    sampling, num_predict = _sampling(body, served.sampling)
+    chat_body = {**sampling, "model": served.model_name, "messages": _messages(messages)}
+    if body.get("tools"):
+        chat_body["tools"] = body["tools"]
+    if isinstance(body.get("think"), bool):  # Qwen3's and SmolLM3's templates switch thinking by this
+        chat_body["chat_template_kwargs"] = {"enable_thinking": body["think"]}
+    elif body.get("think") is not None:  # a level: gpt-oss's template reads it as reasoning_effort
+        chat_body["chat_template_kwargs"] = {"reasoning_effort": body["think"]}
+    top = _logprobs(body)
+    return name, stream, _fit(parser.chat(chat_body), served.max_model_len, num_predict, top)
+
+
+def _generate_request(parser: RequestParser, served: Served, body: dict) -> tuple[str, bool, Parsed | dict]:
+    """An /api/generate body → (the model name answered, stream, the request to run, or the reply
+    itself when there is nothing to generate)."""
+    name, stream = _generation(served, body)
+    raw = _flag(body, "raw", False)
+    prompt, system = body.get("prompt"), body.get("system")
+    tok = served.tokenizer
+    context = _generate_checks(body, tok)
+    if not prompt and not body.get("suffix"):  # Ollama's way to load (or, with keep_alive 0, unload) a model
+        return name, stream, {"model": name, "created_at": _now(), "response": "", "done": True,
+                              "done_reason": "unload" if _keep_alive_zero(body.get("keep_alive")) else "load"}
+    sampling, num_predict = _sampling(body, served.sampling)
+    if body.get("suffix"):  # fill in the middle (server/fim.py), as Ollama's code models answer it
+        parsed = parser.completion({**sampling, "model": served.model_name, "prompt": prompt,
+                                    "suffix": body["suffix"]})
+    elif raw:  # the prompt as given (no template, no system), after the context's tokens
+        ids = context + tok.encode(prompt, add_special=not context)
+        parsed = parser.completion({**sampling, "model": served.model_name, "prompt": ids})
+    else:
+        messages = [{"role": "system", "content": system}] if system else []
+        parsed = parser.chat({**sampling, "model": served.model_name,
+                              "messages": messages + [{"role": "user", "content": prompt}]})
+        if context:
+            ids = parsed.prompt_ids
+            bos = getattr(tok, "bos_id", None)
+            if bos is not None and ids[:1] == [bos]:  # the context already opened the sequence
+                ids = ids[1:]
+            parsed = replace(parsed, prompt_ids=context + ids)
+    return name, stream, _fit(parsed, served.max_model_len, num_predict, _logprobs(body))
+
+
+def _generate_checks(body: dict, tok) -> list[int]:
+    """The fields of /api/generate this server refuses or only types → the context's token ids."""
+    for key, value in (("prompt", body.get("prompt")), ("system", body.get("system")),
+                       ("suffix", body.get("suffix")), ("template", body.get("template"))):
+        if value is not None and not isinstance(value, str):
+            raise bad_request(f"{key} must be a string", key)
+    if body.get("images"):
+        raise bad_request("images: this model reads text only", "images")
+    if body.get("template"):
+        raise bad_request("template: a per-request template is not supported; the model's own chat template "
+                          "is used (or send raw: true with the prompt already formatted)", "template")
+    context = body.get("context") or []
+    if not (isinstance(context, list) and all(_is_int(t) and 0 <= t < tok.vocab_size for t in context)):
+        raise bad_request(f"context must be a list of token ids in [0, {tok.vocab_size})", "context")
+    return context
+
+
+def _generation(served: Served, body: dict) -> tuple[str, bool]:
+    """A generating route's first checks → (the model name answered, stream)."""
+    name = _resolve(served, body.get("model"))
+    stream = _flag(body, "stream", True)
+    _check_think(body)
+    return name, stream
+
+
+def _embed_request(served: Served, body: dict) -> tuple[str, list[list[int]], int | None]:
+    """An /api/embed body → (the model name answered, each text's token ids, dimensions)."""
+    name = _resolve(served, body.get("model"))
+    x = body.get("input")
+    if x is None or x == "":
+        texts = []
+    elif isinstance(x, str):
+        texts = [x]
+    elif isinstance(x, list) and all(isinstance(t, str) for t in x):
+        texts = x
+    else:
+        raise bad_request("input must be a string or a list of strings", "input")
+    if not texts:
+        return name, [], None
+    truncate, dimensions = _flag(body, "truncate", True), body.get("dimensions")
+    if dimensions is not None and not (_is_int(dimensions) and dimensions >= 1):
+        raise bad_request("dimensions must be a positive integer", "dimensions")
+    return name, _token_ids(served, texts, truncate), dimensions
+
+
+def _embeddings_request(served: Served, body: dict) -> list[list[int]] | None:
+    """An /api/embeddings body (the older API) → its prompt's token ids; None: no prompt."""
+    _resolve(served, body.get("model"))
+    prompt = body.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise bad_request("prompt must be a string", "prompt")
+    return _token_ids(served, [prompt], True) if prompt else None
+
+
+def _token_ids(served: Served, texts: list[str], truncate: bool) -> list[list[int]]:
+    """Each text's tokens, at most the context's length (cut when `truncate`, else a 400)."""
+    tok, limit = served.tokenizer, served.max_model_len
+    ids = []
+    for i, t in enumerate(texts):
+        x = tok.encode(t)
+        if not x:
+            raise bad_request(f"input[{i}]: an empty text has no tokens to embed", "input")
+        if len(x) > limit:
+            if not truncate:
+                raise bad_request(f"input[{i}] has {len(x)} tokens, more than the context length {limit}",
+                                  "input")
+            x = x[:limit]
+        ids.append(x)
+    return ids
 
 
 def _not_found(name) -> APIError:
     return APIError(404, f"model '{name}' not found", "invalid_request_error", "model", "model_not_found")
 
-
-# ---- the served model, described as Ollama describes its models -----------------------------------
 
 def _base_name(name: str) -> str:
     return name.removesuffix(":latest")
@@ -124,104 +381,6 @@ def _resolve(served, name) -> str:
     return name
 
 
-def _model(served):
-    return served.engine.engine.model
-
-
-def _weight_bytes(model) -> int:
-    """Bytes held by the model's tensors (shared ones once), the `size` Ollama reports."""
-    seen, total = set(), 0
-    for b in list(model.buffers()) + list(model.parameters()):
-        if b.data_ptr() not in seen:
-            seen.add(b.data_ptr())
-            total += b.numel() * b.element_size()
-    return total
-
-
-def _parameter_count(c) -> int:
-    return c.parameters()[0]
-
-
-def _human_number(n: int) -> str:
-    """Ollama's parameter_size spelling: 8B, 7.6B, 134.52M, 30K."""
-    for unit, scale, digits in (("B", 1e9, 1), ("M", 1e6, 2)):
-        if n >= scale:
-            x = n / scale
-            return f"{x:.0f}{unit}" if x == int(x) else f"{x:.{digits}f}{unit}"
-    return f"{n / 1e3:.0f}K" if n >= 1000 else str(n)
-
-
-def _quantization(model) -> str:
-    """The layout holding most of the weights' bytes, in GGUF's name where one matches."""
-    held: Counter = Counter()
-    for m in model.modules():
-        name = getattr(m, "spec_name", None)
-        if name:
-            held[name] += sum(b.numel() * b.element_size() for b in m.buffers())
-    if not held:
-        return "unknown"
-    name = held.most_common(1)[0][0]
-    return _QUANT_NAMES.get(name, name)
-
-
-@dataclass(frozen=True)
-class _Card:
-    """What /api/tags, /api/show and /api/ps say about the served model (computed once)."""
-
-    size: int
-    digest: str
-    details: dict
-    model_info: dict
-    modified_at: str
-
-
-def _card(served, since: str) -> _Card:
-    model = _model(served)
-    c = getattr(model, "config", None)
-    arch = getattr(c, "arch", "llama")
-    size = _weight_bytes(model)
-    info = {"general.architecture": arch, f"{arch}.context_length": served.max_model_len}
-    details = {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
-               "parameter_size": "", "quantization_level": _quantization(model)}
-    if c is not None:
-        n = _parameter_count(c)
-        details["parameter_size"] = _human_number(n)
-        info.update({"general.parameter_count": n, f"{arch}.embedding_length": c.dim,
-                     f"{arch}.block_count": c.n_layers, f"{arch}.feed_forward_length": c.hidden_dim,
-                     f"{arch}.attention.head_count": c.n_heads, f"{arch}.attention.head_count_kv": c.n_kv_heads,
-                     f"{arch}.attention.key_length": c.head_dim, f"{arch}.attention.value_length": c.head_dim,
-                     f"{arch}.attention.layer_norm_rms_epsilon": c.norm_eps, f"{arch}.rope.freq_base": c.rope_theta,
-                     f"{arch}.vocab_size": c.vocab_size})
-        # what a token costs, beside what the model has: a mixture of experts reads k of its E experts
-        info["lowbit.active_parameter_count"] = c.parameters()[1]
-        if hasattr(model, "bytes_per_token"):
-            info["lowbit.weight_bytes_per_token"] = model.bytes_per_token()
-        if c.n_experts:
-            info.update({f"{arch}.expert_count": c.n_experts, f"{arch}.expert_used_count": c.n_experts_used,
-                         f"{arch}.expert_feed_forward_length": c.expert_hidden_dim})
-    # not a file's hash (the server knows no file): an id of what is served, stable while it runs
-    digest = hashlib.sha256(json.dumps([served.model_name, size, served.formats], sort_keys=True,
-                                       default=str).encode()).hexdigest()
-    return _Card(size, digest, details, info, since)
-
-
-def _capabilities(served) -> list[str]:
-    caps = ["completion", "tools", "embedding"]
-    template = getattr(served.tokenizer, "chat_template", None)
-    if think_tags(template) is not None or is_harmony(template):  # harmony: its analysis channel
-        caps.append("thinking")
-    return caps
-
-
-# ---- request: an Ollama body → an OpenAI one the parser reads --------------------------------------
-
-def _json_body(raw: bytes) -> dict:
-    body = decode_json(raw) if raw.strip() else {}
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
-
-
 def _flag(body: dict, key: str, default: bool) -> bool:
     v = body.get(key)
     if v is None:
@@ -235,13 +394,15 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _options(options) -> tuple[dict, int | None]:
-    """`options` → (the sampling fields of a chat-completions body, num_predict or None: no limit)."""
+def _options(options, model: dict) -> tuple[dict, int | None]:
+    """`options` → (the sampling fields of a chat-completions body, num_predict or None: no limit). Unset
+    fields take the model's own defaults (`model`, as Ollama's Modelfile PARAMETERs carry a model's card),
+    else Ollama's."""
     if options is None:
         options = {}
     if not isinstance(options, dict):
         raise bad_request("options must be an object", "options")
-    out = dict(DEFAULTS)
+    out = {**DEFAULTS, **model}
     for key, value in options.items():
         if value is None:
             continue
@@ -321,10 +482,10 @@ def _messages(messages) -> list[dict]:
     return out
 
 
-def _sampling(body: dict) -> tuple[dict, int | None]:
+def _sampling(body: dict, model: dict) -> tuple[dict, int | None]:
     """The fields of a chat-completions (or completions) body that an Ollama request's `options`
-    and `format` make → (them, num_predict)."""
-    sampling, num_predict = _options(body.get("options"))
+    and `format` make, over the model's own defaults (`model`) → (them, num_predict)."""
+    sampling, num_predict = _options(body.get("options"), model)
     fmt = _response_format(body.get("format"))
     if fmt is not None:
         sampling["response_format"] = fmt
@@ -373,14 +534,14 @@ class _Step:
 class _Generation:
     """One request's generation: its steps as they come, then the final counts and timings."""
 
-    def __init__(self, core, served, parsed: Parsed, t0: float):
-        self.core, self.served, self.parsed, self.t0 = core, served, parsed, t0
+    def __init__(self, fe: Frontend, served: Served, parsed: Parsed, t0: float):
+        self.fe, self.served, self.parsed, self.t0 = fe, served, parsed, t0
         self.finish, self.usage, self.token_ids, self.n_calls = "stop", None, [], 0
 
     async def open(self) -> None:
         """Open the engine's stream; a refusal raises here, before any byte is sent."""
         self.t_start = time.perf_counter()
-        self.events = await self.core.start(self.served, self.parsed, f"ollama-{uuid.uuid4().hex}")
+        self.events = await self.fe.start(self.served, self.parsed, f"ollama-{uuid.uuid4().hex}")
         self.t_prompt = time.perf_counter()  # start returns once the first delta (the prefill) is in
         self.t_end = self.t_prompt
 
@@ -389,7 +550,7 @@ class _Generation:
         await self.events.aclose()
 
     async def steps(self) -> AsyncIterator[_Step]:
-        responder = self.core.state.responder
+        responder = self.fe.responder
         try:
             async for _, pieces, d in replies(self.parsed, self.events):
                 step = _Step()
@@ -420,11 +581,6 @@ class _Generation:
                 "eval_count": u.completion_tokens if u else 0, "eval_duration": _ns(self.t_end - self.t_prompt)}
 
 
-def _ndjson(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="application/x-ndjson",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
 async def _run(gen: _Generation, stream: bool, frame, final):
     """Stream or fold a generation. frame(step, done) → the object for one step (done: the folded
     whole); final() → the fields of the last object."""
@@ -443,265 +599,52 @@ async def _run(gen: _Generation, stream: bool, frame, final):
             await gen.close()
         return JSONResponse({**frame(whole, True), **final()})
 
-    async def lines() -> AsyncIterator[bytes]:
-        try:
-            async for s in gen.steps():
-                if s:
-                    yield _line(frame(s, False))
-            yield _line({**frame(_Step(), True), **final()})
-        except APIError as e:  # the engine failed after the reply began: an error line, then close
-            yield _line({"error": e.message})
-        finally:
-            await gen.close()
-
-    return _ndjson(lines())
+    return sse_response(_lines(gen, frame, final), "application/x-ndjson")
 
 
-# ---- routes -----------------------------------------------------------------------------------------
+async def _lines(gen: _Generation, frame, final) -> AsyncIterator[bytes]:
+    """A streamed generation: one NDJSON object a step, then the last, `done`, with the counts."""
+    try:
+        async for s in gen.steps():
+            if s:
+                yield _line(frame(s, False))
+        yield _line({**frame(_Step(), True), **final()})
+    except APIError as e:  # the engine failed after the reply began: an error line, then close
+        yield _line({"error": e.message})
+    finally:
+        await gen.close()
 
-def add_ollama_routes(app: FastAPI, core) -> None:
-    state = core.state
-    since = _now()
-    cards: dict[int, _Card] = {}
 
-    def card(served) -> _Card:
-        key = id(served)
-        if key not in cards:
-            cards.clear()
-            cards[key] = _card(served, since)
-        return cards[key]
+async def _embeddings(fe: Frontend, served: Served, ids: list[list[int]], dimensions: int | None):
+    """The texts' unit vectors (cut to their first `dimensions` and renormalized, as Ollama does,
+    when that is fewer than the model's) and the tokens they took."""
+    vectors = await fe.one_pass(served, "embeddings", "input", lambda m: embed(m, ids, served.pooling))
+    if dimensions is not None and dimensions < vectors.shape[1]:
+        cut = vectors[:, :dimensions].double()
+        vectors = (cut / cut.norm(dim=-1, keepdim=True).clamp_min(1e-12)).float()
+    return vectors.cpu().tolist(), sum(map(len, ids))
 
-    def entries(served) -> list[dict]:
-        c = card(served)
-        return [{"name": n, "model": n, "modified_at": c.modified_at, "size": c.size, "digest": c.digest,
-                 "details": c.details} for n in (served.model_name, *served.aliases)]
 
-    async def served_body(request: Request):
-        core.check_key(request)
-        served = state.require()
-        return served, _json_body(await request.body())
+def _chat_frame(name: str, s: _Step, done: bool) -> dict:
+    msg = {"role": "assistant", "content": s.content}
+    if s.thinking:
+        msg["thinking"] = s.thinking
+    if s.calls:
+        msg["tool_calls"] = s.calls
+    out = {"model": name, "created_at": _now(), "message": msg, "done": done}
+    if s.logprobs:
+        out["logprobs"] = s.logprobs
+    return out
 
-    async def generation(request: Request):
-        """A generating route's start: (t0, served, body, the model name answered, stream)."""
-        t0 = time.perf_counter()
-        served, body = await served_body(request)
-        name = _resolve(served, body.get("model"))
-        stream = _flag(body, "stream", True)
-        _check_think(body)
-        return t0, served, body, name, stream
 
-    @app.get("/")
-    async def root():
-        return PlainTextResponse("Ollama is running")
+def _generate_frame(name: str, s: _Step, done: bool) -> dict:
+    out = {"model": name, "created_at": _now(), "response": s.content, "done": done}
+    if s.thinking:
+        out["thinking"] = s.thinking
+    if s.logprobs:
+        out["logprobs"] = s.logprobs
+    return out
 
-    # HEAD / as well (Ollama's clients probe with it), one route of its own: a route of two methods
-    # gives both one OpenAPI operation id, which FastAPI warns about and schema tools reject
-    app.add_api_route("/", root, methods=["HEAD"], include_in_schema=False)
 
-    @app.get("/api/version")
-    async def version():
-        try:
-            own = metadata.version("lowbit")
-        except metadata.PackageNotFoundError:
-            own = "0.0.0"
-        return {"version": OLLAMA_VERSION, "lowbit": own}
-
-    @app.get("/api/tags")
-    @_ollama_errors
-    async def tags(request: Request):
-        core.check_key(request)
-        return {"models": entries(state.require())}
-
-    @app.get("/api/ps")
-    @_ollama_errors
-    async def ps(request: Request):
-        core.check_key(request)
-        served = state.served
-        if served is None:  # still loading: nothing is in memory yet
-            return {"models": []}
-        c = card(served)
-        device = (served.formats or {}).get("device") or getattr(_model(served), "device", "cpu")
-        on_gpu = str(device).startswith("cuda")
-        return {"models": [{**e, "expires_at": "2318-01-01T00:00:00Z", "size_vram": c.size if on_gpu else 0,
-                            "context_length": served.max_model_len} for e in entries(served)]}
-
-    @app.post("/api/show")
-    @_ollama_errors
-    async def show(request: Request):
-        served, body = await served_body(request)
-        _resolve(served, body.get("model") or body.get("name"))  # `name`: the older clients' field
-        c = card(served)
-        template = getattr(served.tokenizer, "chat_template", None) or ""
-        parameters = "\n".join(f"{k:<30} {v}" for k, v in DEFAULTS.items())
-        modelfile = (f"# Modelfile of the model lowbit serves\nFROM {served.model_name}\n"
-                     + (f'TEMPLATE """{template}"""\n' if template else "")
-                     + "".join(f"PARAMETER {k} {v}\n" for k, v in DEFAULTS.items()))
-        return {"modelfile": modelfile, "parameters": parameters, "template": template, "details": c.details,
-                "model_info": c.model_info, "capabilities": _capabilities(served), "modified_at": c.modified_at,
-                "license": ""}
-
-    @app.post("/api/chat")
-    @_ollama_errors
-    async def chat(request: Request):
-        t0, served, body, name, stream = await generation(request)
-        messages = body.get("messages") or []
-        if not messages:  # Ollama's way to load (or, with keep_alive 0, unload) a model
-            return {"model": name, "created_at": _now(), "message": {"role": "assistant", "content": ""},
-                    "done_reason": "unload" if _keep_alive_zero(body.get("keep_alive")) else "load", "done": True}
-        sampling, num_predict = _sampling(body)
-        chat_body = {**sampling, "model": served.model_name, "messages": _messages(messages)}
-        if body.get("tools"):
-            chat_body["tools"] = body["tools"]
-        if isinstance(body.get("think"), bool):  # Qwen3's and SmolLM3's templates switch thinking by this
-            chat_body["chat_template_kwargs"] = {"enable_thinking": body["think"]}
-        elif body.get("think") is not None:  # a level: gpt-oss's template reads it as reasoning_effort
-            chat_body["chat_template_kwargs"] = {"reasoning_effort": body["think"]}
-        top = _logprobs(body)
-        parsed = _fit(state.parser.chat(chat_body), served.max_model_len, num_predict, top)
-        gen = _Generation(core, served, parsed, t0)
-
-        def frame(s: _Step, done: bool) -> dict:
-            msg = {"role": "assistant", "content": s.content}
-            if s.thinking:
-                msg["thinking"] = s.thinking
-            if s.calls:
-                msg["tool_calls"] = s.calls
-            out = {"model": name, "created_at": _now(), "message": msg, "done": done}
-            if s.logprobs:
-                out["logprobs"] = s.logprobs
-            return out
-
-        return await _run(gen, stream, frame, gen.stats)
-
-    @app.post("/api/generate")
-    @_ollama_errors
-    async def generate(request: Request):
-        t0, served, body, name, stream = await generation(request)
-        raw = _flag(body, "raw", False)
-        prompt, system = body.get("prompt"), body.get("system")
-        for key, value in (("prompt", prompt), ("system", system), ("suffix", body.get("suffix")),
-                           ("template", body.get("template"))):
-            if value is not None and not isinstance(value, str):
-                raise bad_request(f"{key} must be a string", key)
-        if body.get("images"):
-            raise bad_request("images: this model reads text only", "images")
-        if body.get("suffix"):
-            raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
-        if body.get("template"):
-            raise bad_request("template: a per-request template is not supported; the model's own chat template "
-                              "is used (or send raw: true with the prompt already formatted)", "template")
-        context = body.get("context") or []
-        tok = served.tokenizer
-        if not (isinstance(context, list) and all(_is_int(t) and 0 <= t < tok.vocab_size for t in context)):
-            raise bad_request(f"context must be a list of token ids in [0, {tok.vocab_size})", "context")
-        if not prompt:  # Ollama's way to load (or, with keep_alive 0, unload) a model
-            return {"model": name, "created_at": _now(), "response": "", "done": True,
-                    "done_reason": "unload" if _keep_alive_zero(body.get("keep_alive")) else "load"}
-        sampling, num_predict = _sampling(body)
-        if raw:  # the prompt as given (no template, no system), after the context's tokens
-            ids = context + tok.encode(prompt, add_special=not context)
-            parsed = state.parser.completion({**sampling, "model": served.model_name, "prompt": ids})
-        else:
-            messages = [{"role": "system", "content": system}] if system else []
-            parsed = state.parser.chat({**sampling, "model": served.model_name,
-                                        "messages": messages + [{"role": "user", "content": prompt}]})
-            if context:
-                ids = parsed.prompt_ids
-                bos = getattr(tok, "bos_id", None)
-                if bos is not None and ids[:1] == [bos]:  # the context already opened the sequence
-                    ids = ids[1:]
-                parsed = replace(parsed, prompt_ids=context + ids)
-        parsed = _fit(parsed, served.max_model_len, num_predict, _logprobs(body))
-        gen = _Generation(core, served, parsed, t0)
-
-        def frame(s: _Step, done: bool) -> dict:
-            out = {"model": name, "created_at": _now(), "response": s.content, "done": done}
-            if s.thinking:
-                out["thinking"] = s.thinking
-            if s.logprobs:
-                out["logprobs"] = s.logprobs
-            return out
-
-        def final() -> dict:
-            return {**gen.stats(), "context": parsed.prompt_ids + gen.token_ids}
-
-        return await _run(gen, stream, frame, final)
-
-    async def embeddings_of(served, texts: list[str], truncate: bool, dimensions) -> tuple[list[list[float]], int]:
-        """The texts' unit vectors (cut to their first `dimensions` and renormalized, as Ollama does,
-        when that is fewer than the model's) and the tokens they took."""
-        if dimensions is not None and not (_is_int(dimensions) and dimensions >= 1):
-            raise bad_request("dimensions must be a positive integer", "dimensions")
-        tok, limit = served.tokenizer, served.max_model_len
-        ids = []
-        for i, t in enumerate(texts):
-            x = tok.encode(t)
-            if not x:
-                raise bad_request(f"input[{i}]: an empty text has no tokens to embed", "input")
-            if len(x) > limit:
-                if not truncate:
-                    raise bad_request(f"input[{i}] has {len(x)} tokens, more than the context length {limit}",
-                                      "input")
-                x = x[:limit]
-            ids.append(x)
-        vectors = await core.one_pass(served, "embeddings", "input", lambda model: embed(model, ids, served.pooling))
-        if dimensions is not None and dimensions < vectors.shape[1]:
-            cut = vectors[:, :dimensions].double()
-            vectors = (cut / cut.norm(dim=-1, keepdim=True).clamp_min(1e-12)).float()
-        return vectors.cpu().tolist(), sum(map(len, ids))
-
-    @app.post("/api/embed")
-    @_ollama_errors
-    async def embed_route(request: Request):
-        t0 = time.perf_counter()
-        served, body = await served_body(request)
-        name = _resolve(served, body.get("model"))
-        x = body.get("input")
-        if x is None or x == "":
-            texts = []
-        elif isinstance(x, str):
-            texts = [x]
-        elif isinstance(x, list) and all(isinstance(t, str) for t in x):
-            texts = x
-        else:
-            raise bad_request("input must be a string or a list of strings", "input")
-        vectors, n = ([], 0) if not texts else await embeddings_of(served, texts, _flag(body, "truncate", True),
-                                                                    body.get("dimensions"))
-        return {"model": name, "embeddings": vectors, "total_duration": _ns(time.perf_counter() - t0),
-                "load_duration": 0, "prompt_eval_count": n}
-
-    @app.post("/api/embeddings")
-    @_ollama_errors
-    async def embeddings_route(request: Request):
-        served, body = await served_body(request)
-        _resolve(served, body.get("model"))
-        prompt = body.get("prompt")
-        if prompt is not None and not isinstance(prompt, str):
-            raise bad_request("prompt must be a string", "prompt")
-        if not prompt:
-            return {"embedding": []}
-        vectors, _ = await embeddings_of(served, [prompt], True, None)
-        return {"embedding": vectors[0]}
-
-    @app.post("/api/pull")
-    @_ollama_errors
-    async def pull(request: Request):
-        served, body = await served_body(request)
-        name = body.get("model") or body.get("name")
-        try:
-            _resolve(served, name)
-        except APIError as e:
-            if e.status != 404:
-                raise
-            raise APIError(404, f"model '{name}' not found: lowbit serves the model it was started with; fetch "
-                                "another with `lowbit pull` and restart `lowbit serve` on it") from None
-        return {"status": "success"}  # already here, loaded
-
-    async def unsupported(request: Request):
-        core.check_key(request)
-        raise bad_request(f"{request.url.path} is not supported: lowbit serves the one model it was started with "
-                          "(manage models with `lowbit pull` and `lowbit serve`)")
-
-    for path, method in (("/api/create", "POST"), ("/api/copy", "POST"), ("/api/delete", "DELETE"),
-                         ("/api/push", "POST"), ("/api/blobs/{digest}", "POST"), ("/api/blobs/{digest}", "HEAD")):
-        app.add_api_route(path, _ollama_errors(unsupported), methods=[method])
+def _generate_final(gen: _Generation) -> dict:
+    return {**gen.stats(), "context": gen.parsed.prompt_ids + gen.token_ids}

@@ -9,16 +9,21 @@ logged and ignored (clients send vendor extensions), and the few known fields wi
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
 from lowbit.runtime.load.chat_template import REASONING_FIELDS
+from lowbit.runtime.load.tokenizer import PromptTooLong
 from lowbit.runtime.server.body import decode_json
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
+from lowbit.runtime.server.fim import fim_prompt
 from lowbit.runtime.server.harmony import harmony_history, is_harmony
 from lowbit.runtime.server.reply import think_tags
 from lowbit.runtime.server.tools import ToolPlan, history_message, parse_tools, prompt_messages, reply_grammar
+from lowbit.runtime.server.user_grammar import GRAMMAR_FIELDS, grammar_param, user_grammar
 from lowbit.runtime.engine.sampler import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("lowbit.server")
@@ -35,13 +40,18 @@ MAX_TOOLS = 128
 # fields both endpoints pass on to SamplingParams under the same names
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed")
+# what a request that omits them samples with when the model names no defaults of its own (OpenAI's)
+OPENAI_DEFAULTS = MappingProxyType({"temperature": 1.0, "top_p": 1.0})
 # fields accepted and deliberately without effect here
 _IGNORED = {"user", "store", "metadata", "service_tier"}
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "stop", "logit_bias", "logprobs",
-           "response_format", "ignore_eos", *_SAMPLING, *_IGNORED}  # ignore_eos: vLLM's and llama.cpp's extension
+           "response_format", "ignore_eos", *_SAMPLING, *_IGNORED,  # ignore_eos: vLLM's and llama.cpp's extension
+           *GRAMMAR_FIELDS}  # vLLM's structured_outputs / guided_*, llama-server's grammar (server/user_grammar.py)
+# a thinking budget (runtime/engine/think_budget.py): lowbit's name, and one for Anthropic's budget_tokens
+BUDGET_FIELDS = ("max_reasoning_tokens", "thinking_budget_tokens")
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                          "function_call", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
-                         *_COMMON})
+                         *BUDGET_FIELDS, *_COMMON})
 # OpenAI's reasoning_effort values; the template reads the one given as `reasoning_effort` (gpt-oss's writes
 # "Reasoning: low" into its system message, and was trained on low, medium and high)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -67,7 +77,7 @@ class Parsed:
     chat: bool  # /v1/chat/completions, else /v1/completions
     prompt_ids: list[int]
     params: list[SamplingParams]  # one per choice
-    schema: dict | None  # response_format's JSON schema: constrain every choice to it
+    schema: dict | None  # response_format's (or structured_outputs.json's) JSON schema: constrain every choice to it
     stream: bool
     include_usage: bool
     logprobs: bool
@@ -77,13 +87,19 @@ class Parsed:
     think: tuple[str, str] | None = None  # the template's think tags: a leading block in them is reasoning
     in_think: bool = False  # the prompt itself opened the think block
     harmony: bool = False  # the template writes gpt-oss's harmony format: server/harmony.py reads the reply
-    lark: str | None = None  # a Lark grammar for every choice, where no JSON schema says it (tools.reply_grammar)
+    reasoning_budget: int | None = None  # reasoning tokens before the think block is closed for the model
+    lark: str | None = None  # a Lark grammar for every choice: tools.reply_grammar's, or the request's own
+    # (server/user_grammar.py)
 
 
 class RequestParser:
-    def __init__(self, tokenizer, model_name: str, max_model_len: int, aliases: tuple[str, ...] = ()):
-        """model_name: the id responses carry; a request may name it or any of `aliases`."""
+    def __init__(self, tokenizer, model_name: str, max_model_len: int, aliases: tuple[str, ...] = (),
+                 defaults: Mapping[str, float] | None = None):
+        """model_name: the id responses carry; a request may name it or any of `aliases`. defaults: the
+        sampling a request gets where it sets none (the model's own, runtime/load/sampling_defaults.py,
+        over which `lowbit serve --temperature/--top-p/--top-k/--min-p` win), else OpenAI's."""
         self.tok, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
+        self.defaults = {**OPENAI_DEFAULTS, **(defaults or {})}
         self.names = (model_name, *aliases)
 
     def body(self, raw: bytes, fields: frozenset[str]) -> dict:
@@ -111,10 +127,12 @@ class RequestParser:
         messages, tools = prompt_messages(harmony_history(history) if harmony else history, plan)
         extra = {**_reasoning_effort(body, template), **_template_kwargs(body)}
         try:
-            ids = self.tok.encode_chat(messages, add_generation_prompt=True, **extra,
+            ids = self.tok.encode_chat(messages, add_generation_prompt=True, limit=self.max_model_len - 1, **extra,
                                        **({"tools": tools} if tools else {}))
         except ValueError as e:
             raise bad_request(f"cannot render the chat template: {e}", "messages") from None
+        except PromptTooLong as e:
+            raise context_exceeded(self.max_model_len, e.at_least, "messages", at_least=True) from None
         self._check_prompt_len(len(ids), "messages")
         lp, top = body.get("logprobs"), body.get("top_logprobs")
         if lp is not None and not isinstance(lp, bool):  # 1 == True in Python; OpenAI answers 400
@@ -131,13 +149,15 @@ class RequestParser:
         in_think = think is not None and self.tok.decode(ids[-16:]).rstrip().endswith(think[0])
         lark = reply_grammar(plan, in_think)
         if plan is not None and (plan.schema is not None or lark is not None):
-            if parsed.schema is not None:
-                raise bad_request("response_format cannot be combined with tool_choice 'required', a named "
-                                  "function, or tools on a template without tool support", "response_format")
+            if parsed.schema is not None or parsed.lark is not None:
+                param = grammar_param(body)
+                raise bad_request(f"{param} cannot be combined with tool_choice 'required', a named "
+                                  "function, or tools on a template without tool support", param)
             parsed = replace(parsed, schema=plan.schema)
         if harmony:  # its channel markers are special tokens the reply parser must see
             parsed = replace(parsed, params=[replace(p, skip_special_tokens=False) for p in parsed.params])
-        return replace(parsed, tools=plan, think=think, in_think=in_think, harmony=harmony, lark=lark)
+        return replace(parsed, tools=plan, think=think, in_think=in_think, harmony=harmony, lark=lark or parsed.lark,
+                       reasoning_budget=_reasoning_budget(body) if think is not None else None)
 
     def completion(self, body: dict) -> Parsed:
         self._unsupported(body, chat=False)
@@ -148,8 +168,16 @@ class RequestParser:
             ids = list(prompt)
             if any(not 0 <= t < self.tok.vocab_size for t in ids):
                 raise bad_request("prompt token ids must lie in the vocabulary", "prompt")
+        elif isinstance(prompt, str) and body.get("suffix"):  # fill in the middle: the prefix may be empty
+            try:
+                ids = fim_prompt(self.tok, prompt, body["suffix"], limit=self.max_model_len - 1)
+            except PromptTooLong as e:
+                raise context_exceeded(self.max_model_len, e.at_least, "prompt", at_least=True) from None
         elif isinstance(prompt, str) and prompt:
-            ids = self.tok.encode(prompt, add_special=True)
+            try:
+                ids = self.tok.encode(prompt, add_special=True, limit=self.max_model_len - 1)
+            except PromptTooLong as e:
+                raise context_exceeded(self.max_model_len, e.at_least, "prompt", at_least=True) from None
         else:
             raise bad_request("prompt must be a non-empty string (or one list of token ids)", "prompt")
         self._check_prompt_len(len(ids), "prompt")
@@ -204,7 +232,10 @@ class RequestParser:
             raise bad_request("input must be a non-empty string, a list of strings, or token arrays", "input")
         out = []
         for v in x:
-            ids = self.tok.encode(v) if isinstance(v, str) else v
+            try:
+                ids = self.tok.encode(v, limit=self.max_model_len) if isinstance(v, str) else v
+            except PromptTooLong as e:
+                raise context_exceeded(self.max_model_len, e.at_least, "input", at_least=True) from None
             if not ids:
                 raise bad_request("input: an empty text has no tokens to embed", "input")
             if any(not 0 <= t < self.tok.vocab_size for t in ids):
@@ -236,9 +267,12 @@ class RequestParser:
             schema = GrammarCompiler.schema_of(body.get("response_format"))
         except GrammarError as e:
             raise bad_request(str(e), "response_format") from None
+        own = user_grammar(body)
+        if own is not None and schema is not None:
+            raise bad_request(f"{own.param} cannot be combined with response_format", own.param)
         opts = body.get("stream_options") or {}
-        return Parsed(chat, ids, per_choice, schema, bool(body.get("stream")), bool(opts.get("include_usage")),
-                      params.logprobs is not None)
+        return Parsed(chat, ids, per_choice, own.schema if own else schema, bool(body.get("stream")),
+                      bool(opts.get("include_usage")), params.logprobs is not None, lark=own.lark if own else None)
 
     def _check_prompt_len(self, n: int, param: str) -> None:
         if n >= self.max_model_len:
@@ -282,8 +316,8 @@ class RequestParser:
                     raise bad_request(f"{name} are for /v1/chat/completions", name)
             if body.get("best_of") not in (None, 1):
                 raise bad_request("best_of is not supported", "best_of")
-            if body.get("suffix"):
-                raise bad_request("suffix is not supported", "suffix")
+            if body.get("suffix") is not None and not isinstance(body["suffix"], str):
+                raise bad_request("suffix must be a string", "suffix")
         if body.get("stream") is not None and not isinstance(body["stream"], bool):  # 0 == False in Python
             raise bad_request("stream must be a boolean", "stream")
         opts = body.get("stream_options")
@@ -302,8 +336,8 @@ class RequestParser:
             if not isinstance(body["ignore_eos"], bool):
                 raise bad_request("ignore_eos must be a boolean", "ignore_eos")
             kw["ignore_eos"] = body["ignore_eos"]
-        kw.setdefault("temperature", 1.0)  # OpenAI's defaults
-        kw.setdefault("top_p", 1.0)
+        for name, value in self.defaults.items():
+            kw.setdefault(name, value)
         stop = body.get("stop")
         if stop is not None:
             if isinstance(stop, str):
@@ -362,6 +396,18 @@ def _reasoning_effort(body: dict, template: str | None) -> dict:
     if effort not in REASONING_EFFORTS:
         raise bad_request(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
     return {"reasoning_effort": effort} if "reasoning_effort" in (template or "") else {}
+
+
+def _reasoning_budget(body: dict) -> int | None:
+    """max_reasoning_tokens (or thinking_budget_tokens): an int >= 0, or None for no budget. A template
+    without think tags has no block to close, and ignores it (Parsed.reasoning_budget stays None)."""
+    given = [(name, body[name]) for name in BUDGET_FIELDS if body.get(name) is not None]
+    if not given:
+        return None
+    name, value = given[0]
+    if not (_is_int(value) and value >= 0):
+        raise bad_request(f"{name} must be an int >= 0, got {value!r}", name)
+    return value
 
 
 def _template_kwargs(body: dict) -> dict:

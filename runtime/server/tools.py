@@ -30,6 +30,7 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 
+from lowbit.runtime.engine.grammar import closed
 from lowbit.runtime.server.errors import bad_request
 from lowbit.runtime.server.harmony import is_harmony
 from lowbit.runtime.server.qwen_xml import call_body, calls_grammar, is_qwen_xml
@@ -43,6 +44,12 @@ class Tool:
     name: str
     description: str
     parameters: dict  # a JSON schema of type object
+
+    @property
+    def arguments(self) -> dict:
+        """The schema a call's arguments are held to: the parameters closed (OpenAI's strict mode), so
+        the model writes only the properties declared; the prompt still shows the parameters as sent."""
+        return closed(self.parameters)
 
     def openai(self) -> dict:
         return {"type": "function", "function": {"name": self.name, "description": self.description,
@@ -140,7 +147,7 @@ def parse_tools(body: dict, template: str | None) -> ToolPlan | None:
 
 
 def _call_schema(t: Tool, args_key: str = "arguments") -> dict:
-    return {"type": "object", "properties": {"name": {"const": t.name}, args_key: t.parameters},
+    return {"type": "object", "properties": {"name": {"const": t.name}, args_key: t.arguments},
             "required": ["name", args_key], "additionalProperties": False}
 
 
@@ -154,7 +161,7 @@ def reply_schema(plan: ToolPlan) -> dict | None:
     if plan.choice == "none" or plan.format == "qwen3_xml":  # qwen3_xml: reply_grammar's Lark instead
         return None
     if plan.choice == "named":
-        return next(t for t in plan.tools if t.name == plan.named).parameters
+        return next(t for t in plan.tools if t.name == plan.named).arguments
     if plan.choice == "required":
         return _calls_schema(plan.tools, plan.parallel)
     if plan.format == "generic":
@@ -173,7 +180,7 @@ def lazy_grammar(plan: ToolPlan) -> tuple[str, str] | None:
     if plan.choice != "auto" or plan.format in ("generic", "harmony"):  # harmony: the call has no fixed opening
         return None
     if plan.format == "qwen3_xml":
-        return "<tool_call>", call_body([(t.name, t.parameters) for t in plan.tools])
+        return "<tool_call>", call_body([(t.name, t.arguments) for t in plan.tools])
     one = {"anyOf": [_call_schema(t) for t in plan.tools]}
     if plan.format == "hermes":
         return "<tool_call>", f'start: "\\n"? call "\\n"? "</tool_call>"\ncall: %json {json.dumps(one)}'
@@ -189,7 +196,7 @@ def reply_grammar(plan: ToolPlan | None, in_think: bool) -> str | None:
     block: `in_think`). None elsewhere."""
     if plan is None or plan.format != "qwen3_xml" or plan.choice not in ("required", "named"):
         return None
-    tools = [(t.name, t.parameters) for t in plan.tools if plan.choice == "required" or t.name == plan.named]
+    tools = [(t.name, t.arguments) for t in plan.tools if plan.choice == "required" or t.name == plan.named]
     return calls_grammar(tools, plan.parallel and plan.choice == "required", in_think)
 
 

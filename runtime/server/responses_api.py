@@ -3,7 +3,7 @@
 A Responses body is translated into a chat-completions body and parsed by `RequestParser.chat`, so
 its prompt, sampling, tools and grammars are those of the chat endpoint, with every check and every
 400 (each error's param renamed to the Responses field it came from). The reply's pieces
-(server/response.py `replies`) become output items: a reasoning item for a think block, a message
+(server/chat_response.py `replies`) become output items: a reasoning item for a think block, a message
 for text, a function_call item per call, in the order the reply decides them. One code path: the
 streamed events are built as the reply arrives, and the non-streamed Response is the one the last
 event carries.
@@ -22,11 +22,14 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 
+from lowbit.runtime.server.chat_response import Responder, call_id, replies
+from lowbit.runtime.server.deps import frontend, require_key
 from lowbit.runtime.server.errors import APIError, bad_request
-from lowbit.runtime.server.response import call_id, replies
+from lowbit.runtime.server.request import Parsed, RequestParser
+from lowbit.runtime.server.sse import sse_response
 
 # the chat-completions extensions the chat endpoint takes, passed on under the same names (the
 # Responses API has no seed or stop, which reproducible and bounded replies need)
@@ -45,6 +48,8 @@ _PARAM = {"messages": "input", "max_completion_tokens": "max_output_tokens", "ma
 _TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the text's logprobs
 
+router = APIRouter(dependencies=[Depends(require_key)])
+
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -58,6 +63,59 @@ def _renamed(e: APIError) -> APIError:
                            ("reasoning_effort", "reasoning.effort")):
             e.message = e.message.replace(chat, ours)
     return e
+
+
+# ---- routes ---------------------------------------------------------------------------------------
+
+@router.post("/v1/responses")
+async def create_response(request: Request):
+    fe = frontend(request)
+    served = fe.require()
+    parsed, echo = await fe.parse(request, _parse, fe.parser, fields=RESPONSES_FIELDS)
+    rid = _id("resp")
+    try:
+        deltas = await fe.start(served, parsed, rid)
+    except APIError as e:
+        raise _renamed(e) from None
+    stream = ResponsesStream(fe.responder, parsed, rid, echo)
+    if not parsed.stream:
+        try:
+            last = None
+            async for last in stream.events(deltas):
+                pass
+        finally:
+            await deltas.aclose()
+        if stream.failure is not None:  # the engine failed (500) or the server is shutting down (503)
+            raise stream.failure
+        return JSONResponse(last["response"])
+    return sse_response(_streamed(stream, deltas))
+
+
+async def _streamed(stream: ResponsesStream, deltas) -> AsyncIterator[bytes]:
+    try:
+        async for e in stream.events(deltas):
+            yield _sse(e)
+    finally:
+        await deltas.aclose()
+
+
+@router.get("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}")
+@router.get("/v1/responses/{response_id}/input_items")
+@router.post("/v1/responses/{response_id}/cancel")
+async def stored_response(response_id: str):
+    raise APIError(404, f"No response found with id '{response_id}': this server is stateless and stores "
+                        "no responses.", "invalid_request_error", "response_id", "not_found")
+
+
+def _parse(parser: RequestParser, body: dict) -> tuple[Parsed, dict]:
+    """A Responses body → (the chat request that runs it, the fields the Response echoes), on the
+    worker thread `Frontend.parse` runs it on: the chat parser's errors in the Responses API's names."""
+    chat, echo = chat_body(body)
+    try:
+        return parser.chat(chat), echo
+    except APIError as e:
+        raise _renamed(e) from None
 
 
 # ---- request: a Responses body → a chat-completions body ------------------------------------------
@@ -83,9 +141,7 @@ def _text_of(content, where: str, param: str = "input") -> str:
 
 
 def _messages(items, instructions) -> list[dict]:
-    """`instructions` and `input` → chat messages. A run of function_call items is one assistant
-    message's tool calls (parallel calls), joined to the assistant's text just before them; a
-    reasoning item becomes the next assistant message's reasoning_content."""
+    """`instructions` and `input` → chat messages."""
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("instructions must be a string", "instructions")
     out = [{"role": "system", "content": instructions}] if instructions else []
@@ -93,66 +149,88 @@ def _messages(items, instructions) -> list[dict]:
         return out + [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise bad_request("input must be a string or a non-empty list of items", "input")
-    names: dict[str, str] = {}  # call_id → function name, for the tool messages
-    reasoning: str | None = None
-    joinable = False  # the last message is an assistant's that this item's calls may join
-
-    def assistant(msg: dict) -> dict:
-        nonlocal reasoning
-        if reasoning is not None:
-            msg["reasoning_content"], reasoning = reasoning, None
-        return msg
-
+    conversation = _Conversation(out)
     for i, it in enumerate(items):
-        where = f"input[{i}]"
+        conversation.add(it, f"input[{i}]")
+    return out
+
+
+class _Conversation:
+    """Chat messages made of `input` items, one at a time. A run of function_call items is one
+    assistant message's tool calls (parallel calls), joined to the assistant's text just before
+    them; a reasoning item becomes the next assistant message's reasoning_content."""
+
+    def __init__(self, out: list[dict]):
+        self.out = out
+        self.names: dict[str, str] = {}  # call_id → function name, for the tool messages
+        self.reasoning: str | None = None
+        self.joinable = False  # the last message is an assistant's that this item's calls may join
+
+    def add(self, it, where: str) -> None:
         if not isinstance(it, dict):
             raise bad_request(f"{where} must be an object", "input")
         kind = it.get("type", "message")
         if kind == "message":
-            role = it.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise bad_request(f"{where}.role must be user, assistant, system or developer", "input")
-            msg = {"role": role, "content": _text_of(it.get("content"), where)}
-            out.append(assistant(msg) if role == "assistant" else msg)
-            joinable = role == "assistant"
+            self._message(it, where)
         elif kind == "function_call":
-            cid, name, args = it.get("call_id"), it.get("name"), it.get("arguments", "{}")
-            if not (isinstance(cid, str) and isinstance(name, str) and isinstance(args, str)):
-                raise bad_request(f"{where}: a function_call needs string call_id, name and arguments", "input")
-            try:
-                json.loads(args or "{}")
-            except json.JSONDecodeError:
-                raise bad_request(f"{where}.arguments is not JSON", "input") from None
-            names[cid] = name
-            call = {"id": cid, "type": "function", "function": {"name": name, "arguments": args or "{}"}}
-            if joinable:
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
-                joinable = True
+            self._call(it, where)
         elif kind == "function_call_output":
-            cid = it.get("call_id")
-            if not isinstance(cid, str):
-                raise bad_request(f"{where}.call_id must be a string", "input")
-            msg = {"role": "tool", "tool_call_id": cid, "content": _text_of(it.get("output"), where)}
-            if cid in names:
-                msg["name"] = names[cid]
-            out.append(msg)
-            joinable = False
+            self._output(it, where)
         elif kind == "reasoning":
-            parts = it.get("content") or it.get("summary") or []
-            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
-                                                      for p in parts):
-                raise bad_request(f"{where}: a reasoning item's content must be a list of text parts", "input")
-            reasoning = "".join(p["text"] for p in parts) or None
-            joinable = False
+            self._reasoning(it, where)
         elif kind == "item_reference":
             raise bad_request(f"{where}: this server is stateless and stores no items to refer to; send the "
                               "item itself", "input")
         else:
             raise bad_request(f"{where}: items of type {kind!r} are not supported here (message, function_call, "
                               "function_call_output and reasoning are)", "input")
-    return out
+
+    def _assistant(self, msg: dict) -> dict:
+        if self.reasoning is not None:
+            msg["reasoning_content"], self.reasoning = self.reasoning, None
+        return msg
+
+    def _message(self, it: dict, where: str) -> None:
+        role = it.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise bad_request(f"{where}.role must be user, assistant, system or developer", "input")
+        msg = {"role": role, "content": _text_of(it.get("content"), where)}
+        self.out.append(self._assistant(msg) if role == "assistant" else msg)
+        self.joinable = role == "assistant"
+
+    def _call(self, it: dict, where: str) -> None:
+        cid, name, args = it.get("call_id"), it.get("name"), it.get("arguments", "{}")
+        if not (isinstance(cid, str) and isinstance(name, str) and isinstance(args, str)):
+            raise bad_request(f"{where}: a function_call needs string call_id, name and arguments", "input")
+        try:
+            json.loads(args or "{}")
+        except json.JSONDecodeError:
+            raise bad_request(f"{where}.arguments is not JSON", "input") from None
+        self.names[cid] = name
+        call = {"id": cid, "type": "function", "function": {"name": name, "arguments": args or "{}"}}
+        if self.joinable:
+            self.out[-1].setdefault("tool_calls", []).append(call)
+        else:
+            self.out.append(self._assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
+            self.joinable = True
+
+    def _output(self, it: dict, where: str) -> None:
+        cid = it.get("call_id")
+        if not isinstance(cid, str):
+            raise bad_request(f"{where}.call_id must be a string", "input")
+        msg = {"role": "tool", "tool_call_id": cid, "content": _text_of(it.get("output"), where)}
+        if cid in self.names:
+            msg["name"] = self.names[cid]
+        self.out.append(msg)
+        self.joinable = False
+
+    def _reasoning(self, it: dict, where: str) -> None:
+        parts = it.get("content") or it.get("summary") or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):
+            raise bad_request(f"{where}: a reasoning item's content must be a list of text parts", "input")
+        self.reasoning = "".join(p["text"] for p in parts) or None
+        self.joinable = False
 
 
 def _tools(tools) -> tuple[list[dict], list[dict]]:
@@ -378,8 +456,8 @@ class Output:
 class ResponsesStream:
     """One request's events, numbered; `response` is the Response as it stands."""
 
-    def __init__(self, core, parsed, rid: str, echo: dict):
-        self.core, self.parsed, self.rid, self.echo = core, parsed, rid, echo
+    def __init__(self, responder: Responder, parsed: Parsed, rid: str, echo: dict):
+        self.responder, self.parsed, self.rid, self.echo = responder, parsed, rid, echo
         self.created = int(time.time())
         self.output = Output()
         self.seq = 0
@@ -391,7 +469,7 @@ class ResponsesStream:
         return {"id": self.rid, "object": "response", "created_at": self.created, "status": self.status,
                 "completed_at": int(time.time()) if self.status == "completed" else None,
                 "error": self.error, "incomplete_details": self.incomplete,
-                "model": self.core.state.responder.model_name, "output": self.output.items if done else [],
+                "model": self.responder.model_name, "output": self.output.items if done else [],
                 **self.echo, "usage": self.usage}
 
     def _numbered(self, events: list[dict]):
@@ -403,7 +481,7 @@ class ResponsesStream:
     async def events(self, deltas) -> AsyncIterator[dict]:
         """Every event of the reply, from response.created to its end: response.completed,
         response.incomplete (cut off by max_output_tokens), or response.failed (the engine failed)."""
-        responder, out = self.core.state.responder, self.output
+        responder, out = self.responder, self.output
         for e in self._numbered([{"type": "response.created", "response": self.response()},
                                  {"type": "response.in_progress", "response": self.response()}]):
             yield e
@@ -452,52 +530,3 @@ def _usage(u) -> dict | None:
 
 def _sse(event: dict) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
-
-
-# ---- routes ---------------------------------------------------------------------------------------
-
-def add_responses_routes(app: FastAPI, core) -> None:
-    state = core.state
-
-    @app.post("/v1/responses")
-    async def create_response(request: Request):
-        core.check_key(request)
-        served = state.require()
-        body = state.parser.body(await request.body(), RESPONSES_FIELDS)
-        chat, echo = chat_body(body)
-        rid = _id("resp")
-        try:
-            parsed = state.parser.chat(chat)
-            deltas = await core.start(served, parsed, rid)
-        except APIError as e:
-            raise _renamed(e) from None
-        stream = ResponsesStream(core, parsed, rid, echo)
-        if not parsed.stream:
-            try:
-                last = None
-                async for last in stream.events(deltas):
-                    pass
-            finally:
-                await deltas.aclose()
-            if stream.failure is not None:  # the engine failed (500) or the server is shutting down (503)
-                raise stream.failure
-            return JSONResponse(last["response"])
-
-        async def body_bytes() -> AsyncIterator[bytes]:
-            try:
-                async for e in stream.events(deltas):
-                    yield _sse(e)
-            finally:
-                await deltas.aclose()
-
-        return StreamingResponse(body_bytes(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @app.get("/v1/responses/{response_id}")
-    @app.delete("/v1/responses/{response_id}")
-    @app.get("/v1/responses/{response_id}/input_items")
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def stored_response(response_id: str, request: Request):
-        core.check_key(request)
-        raise APIError(404, f"No response found with id '{response_id}': this server is stateless and stores "
-                            "no responses.", "invalid_request_error", "response_id", "not_found")
