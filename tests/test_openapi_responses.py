@@ -56,6 +56,9 @@ CASES = {
     "embed": ("POST", "/api/embed", "/api/embed", {"model": "{name}", "input": ["Paris", "a cat"]}),
     "ollama-embeddings": ("POST", "/api/embeddings", "/api/embeddings", {"model": "{name}", "prompt": "Paris"}),
     "pull": ("POST", "/api/pull", "/api/pull", {"model": "{name}"}),
+    "lowbit-version": ("GET", "/version", "/version", None),
+    "rerank": ("POST", "/v1/rerank", "/v1/rerank", {"model": "{name}", "query": "Paris", "documents": ["a", "b"]}),
+    "rerank-llama": ("POST", "/rerank", "/rerank", {"query": "Paris", "documents": [{"text": "a"}], "top_n": 1}),
 }
 
 def _named(value, name: str):

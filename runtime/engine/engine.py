@@ -31,7 +31,7 @@ from lowbit.runtime.engine.kv_cache import KVPool
 from lowbit.runtime.engine.pages import PageManager
 from lowbit.runtime.engine.runner import Chunk, Runner, exact_rows
 from lowbit.runtime.engine.sampler import SampleResult, SamplingParams, SamplingState, mask_padding, results, sample_batch
-from lowbit.runtime.engine.scheduler import ScheduledSeq, Scheduler, Sequence, Status
+from lowbit.runtime.engine.scheduler import QueueFull, ScheduledSeq, Scheduler, Sequence, Status
 from lowbit.runtime.engine.speculative import (MAX_K, DraftProposer, FastDrafter, NgramProposer, Proposal, SpecStats,
                                                verify)
 from lowbit.runtime.engine.state_cache import StateCache
@@ -398,6 +398,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.last_error: Exception | None = None
+        self._closed = False  # close(): the step thread ends, so the model's memory can go
         self._thread = threading.Thread(target=self._loop, name="lowbit-engine", daemon=True)
         self._thread.start()
 
@@ -405,6 +406,8 @@ class AsyncEngine:
                        grammar=None):
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self._closed:  # unloaded between the request's lookup and now: the client may retry
+                raise QueueFull("the model was unloaded")
             rid = self.engine.add_request(prompt_ids, params, request_id, grammar)
             self._queues[rid] = (asyncio.get_running_loop(), q)
         self._wake.set()
@@ -450,9 +453,18 @@ class AsyncEngine:
         with self._lock:
             return self.engine.stats()
 
+    def close(self) -> None:
+        """End every request (as `shutdown` does) and the step thread: the engine is unloaded."""
+        self.shutdown()
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
     def _loop(self) -> None:
         while True:
             self._wake.wait()
+            if self._closed:
+                return
             with self._lock:
                 try:
                     deltas = self.engine.step()

@@ -30,6 +30,7 @@ from lowbit.runtime.server.body import decode_json
 from lowbit.runtime.server.chat_response import Responder
 from lowbit.runtime.server.errors import APIError, bad_request
 from lowbit.runtime.server.metrics import ServerMetrics
+from lowbit.runtime.server.model_pool import ModelPool, keep_alive_seconds
 from lowbit.runtime.server.request import Parsed, RequestParser
 from lowbit.runtime.server.sse import sse_response
 from lowbit.runtime.server.tools import lazy_grammar
@@ -49,6 +50,15 @@ class Served:
     # the sampling a request that omits it gets: the model's own defaults under `lowbit serve`'s flags
     # (runtime/cli/engine_args.py sampling_defaults); empty: OpenAI's
     sampling: dict = field(default_factory=dict)
+    # what reads its requests and writes its replies: the model's tokenizer decides both
+    parser: RequestParser = field(init=False, repr=False)
+    responder: Responder = field(init=False, repr=False)
+    grammars: GrammarCompiler = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.parser = RequestParser(self.tokenizer, self.model_name, self.max_model_len, self.aliases, self.sampling)
+        self.responder = Responder(self.tokenizer, self.model_name, lambda: self.engine.last_error)
+        self.grammars = GrammarCompiler(self.tokenizer)
 
 
 class Frontend:
@@ -57,25 +67,49 @@ class Frontend:
     def __init__(self, api_key: str | None = None):
         self.api_key = api_key  # None: no key asked (server/deps.py require_key)
         self.started = time.time()  # the models' `created` (OpenAI) and `modified_at` (Ollama)
-        self.served: Served | None = None
-        self.parser: RequestParser | None = None
-        self.responder: Responder | None = None
-        self.grammars: GrammarCompiler | None = None
+        self.pool: ModelPool | None = None  # the models offered (server/model_pool.py); None while loading
         self.metrics = ServerMetrics(lambda: None if self.served is None else self.served.engine.stats())
         self._memo: dict = {}  # key → (id of the served model, what `memo` computed from it)
 
     def ready(self, served: Served) -> None:
-        self.parser = RequestParser(served.tokenizer, served.model_name, served.max_model_len, served.aliases,
-                                    served.sampling)
-        self.responder = Responder(served.tokenizer, served.model_name, lambda: served.engine.last_error)
-        self.grammars = GrammarCompiler(served.tokenizer)
-        self.served = served  # last: requests see a fully built state or none
+        """Serve this one model (`lowbit serve MODEL`)."""
+        self.offer(ModelPool.of(served))
 
-    def require(self) -> Served:
-        if self.served is None:
+    def offer(self, pool: ModelPool) -> None:
+        """Serve the pool's models (`lowbit serve --models ...`), its default one loaded or loading."""
+        pool.on_change = lambda what, name: self.metrics.model_events.labels(what, name).inc()
+        self.pool = pool  # last: requests see a fully built state or none
+
+    @property
+    def served(self) -> Served | None:
+        """The default model, when it is loaded."""
+        return None if self.pool is None else self.pool.loaded_default()
+
+    @property
+    def parser(self) -> RequestParser | None:
+        served = self.served
+        return None if served is None else served.parser
+
+    @property
+    def responder(self) -> Responder | None:
+        served = self.served
+        return None if served is None else served.responder
+
+    def require(self) -> ModelPool:
+        """The models offered; 503 while the server starts (the default model loading)."""
+        if self.pool is None:
             raise APIError(503, "The model is still loading; retry shortly (GET /health says when it is ready).",
                            "server_error", None, "model_loading", headers={"Retry-After": "2"})
-        return self.served
+        return self.pool
+
+    async def model(self, request: Request, keep_alive: float | None = None) -> Served:
+        """The model the request's body names (its `model`; none: the default), loaded on demand
+        (server/model_pool.py), kept for its `keep_alive` (Ollama's) if it gives one. The body is decoded
+        on a worker thread; `parse` decodes it again there."""
+        self.require()
+        raw = await request.body()
+        name, asked = await asyncio.to_thread(_model_named, raw) if raw else (None, None)
+        return await self.pool.get(name, keep_alive_seconds(asked) if keep_alive is None else keep_alive)
 
     def memo(self, key: str, served: Served, fn):
         """fn(), computed once per served model: what walking the model's tensors tells (Ollama's card,
@@ -88,13 +122,14 @@ class Frontend:
 
     # ---- the request ----------------------------------------------------------------------------------
 
-    async def parse(self, request: Request, fn, *args, fields: frozenset[str] | None = None):
+    async def parse(self, request: Request, fn, *args, fields: frozenset[str] | None = None, served=None):
         """fn(*args, the body) on a worker thread: decoding, templating, tokenizing and checking a long
         prompt take seconds that would stall every other request (and stream) on the event loop.
         fields: the body's known fields, for `RequestParser.body` (which checks the model it names);
-        None: any JSON object, an empty body being {} (Ollama's bodies: the route checks the model)."""
+        None: any JSON object, an empty body being {} (Ollama's bodies: the route checks the model).
+        served: the model whose parser checks the body (default: the default model's)."""
         raw = await request.body()
-        parser = self.parser
+        parser = self.parser if served is None else served.parser
         return await asyncio.to_thread(
             lambda: fn(*args, json_object(raw) if fields is None else parser.body(raw, fields)))
 
@@ -110,14 +145,14 @@ class Frontend:
         events = await self.start(served, req, rid)
         if not req.stream:
             try:
-                return JSONResponse(await self.responder.fold(req, rid, events))
+                return JSONResponse(await served.responder.fold(req, rid, events))
             finally:
                 await events.aclose()
-        return sse_response(self._chunks(req, rid, events))
+        return sse_response(self._chunks(served.responder, req, rid, events))
 
-    async def _chunks(self, req: Parsed, rid: str, events) -> AsyncIterator[bytes]:
+    async def _chunks(self, responder: Responder, req: Parsed, rid: str, events) -> AsyncIterator[bytes]:
         try:
-            async for b in self.responder.chunks(req, rid, events):
+            async for b in responder.chunks(req, rid, events):
                 yield b
         finally:
             await events.aclose()
@@ -160,11 +195,11 @@ class Frontend:
         lazy = lazy_grammar(req.tools) if req.tools else None
         try:
             if req.schema is not None:
-                return [await asyncio.to_thread(self.grammars.compile, req.schema) for _ in req.params]
+                return [await asyncio.to_thread(served.grammars.compile, req.schema) for _ in req.params]
             if req.lark is not None:
-                return [await asyncio.to_thread(self.grammars.compile_lark, req.lark) for _ in req.params]
+                return [await asyncio.to_thread(served.grammars.compile_lark, req.lark) for _ in req.params]
             if lazy is not None:
-                bodies = [await asyncio.to_thread(self.grammars.compile_lark, lazy[1]) for _ in req.params]
+                bodies = [await asyncio.to_thread(served.grammars.compile_lark, lazy[1]) for _ in req.params]
                 return [LazyGrammar(lazy[0], b, served.tokenizer) for b in bodies]
         except GrammarError as e:
             tools = req.tools and (req.tools.schema or lazy or req.lark)
@@ -214,12 +249,28 @@ class Frontend:
 
     # ---- what /v1/models says -------------------------------------------------------------------------
 
-    def model_card(self, served: Served, name: str) -> dict:
-        card = {"id": name, "object": "model", "created": int(self.started), "owned_by": "lowbit",
-                "root": served.model_name, "max_model_len": served.max_model_len}
-        if served.formats:
-            card["lowbit"] = served.formats
+    def model_card(self, name: str) -> dict:
+        """/v1/models' entry for `name` (an offer or an alias): its context and formats once loaded."""
+        canonical = self.pool.name_of(name)
+        held = self.pool.loaded.get(canonical)
+        card = {"id": name, "object": "model", "created": int(self.started), "owned_by": "lowbit", "root": canonical,
+                "status": {"value": "loaded" if held is not None else "unloaded"}}  # llama-server's router mode
+        if held is not None:
+            card["max_model_len"] = held.served.max_model_len
+            if held.served.formats:
+                card["lowbit"] = held.served.formats
         return card
+
+
+def _model_named(raw: bytes) -> tuple[str | None, object]:
+    """(the `model` a JSON body names or None, its Ollama `keep_alive`); (None, None) for a body that is not
+    a JSON object (`parse` says what is wrong with it)."""
+    try:
+        body = json_object(raw)
+    except APIError:
+        return None, None
+    name = body.get("model") or body.get("name")  # `name`: older Ollama clients' field
+    return (name if isinstance(name, str) and name else None), body.get("keep_alive")
 
 
 def _itself(body: dict) -> dict:

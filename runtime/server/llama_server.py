@@ -47,13 +47,13 @@ def _infill_request(fe, served, body: dict):
     out = {_RENAMED.get(k, k): v for k, v in body.items() if k in _SAMPLING}
     if isinstance(out.get("max_tokens"), int) and out["max_tokens"] < 0:  # llama-server's -1: no limit
         del out["max_tokens"]
-    return fe.parser.completion({**out, "model": served.model_name, "prompt": ids})
+    return served.parser.completion({**out, "model": served.model_name, "prompt": ids})
 
 
 @router.post("/infill")
 async def infill(request: Request):
     fe = frontend(request)
-    served = fe.require()
+    served = await fe.model(request)
     req = await fe.parse(request, _infill_request, fe, served)
     events = await fe.start(served, req, f"infill-{uuid.uuid4().hex}")
     if req.stream:
@@ -112,7 +112,7 @@ def _rerank_request(fe, served, body: dict) -> tuple[list[list[int]], list[str],
     ret = body.get("return_documents", True)
     if not isinstance(ret, bool):
         raise bad_request("return_documents must be a boolean", "return_documents")
-    texts, _ = fe.parser.embeddings({"input": [query, *docs]})  # tokenized and bounded as embeddings are
+    texts, _ = served.parser.embeddings({"input": [query, *docs]})  # tokenized and bounded as embeddings are
     return texts, docs, min(top_n, len(docs)), ret
 
 
@@ -120,7 +120,7 @@ def _rerank_request(fe, served, body: dict) -> tuple[list[list[int]], list[str],
 @router.post("/rerank")
 async def rerank(request: Request):
     fe = frontend(request)
-    served = fe.require()
+    served = await fe.model(request)
     ids, docs, top_n, ret = await fe.parse(request, _rerank_request, fe, served)
     vectors = await fe.one_pass(served, "rerank", "documents", lambda model: embed(model, ids, served.pooling))
     scores = (vectors[1:].float() @ vectors[0].float()).cpu()  # [documents]: cosines, the vectors unit-norm

@@ -52,6 +52,9 @@ class ServerMetrics:
         self.generation_tokens = Counter("lowbit_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter("lowbit_requests_finished", "requests finished, by reason", ["finish_reason"],
                                 registry=r)
+        # models loaded and unloaded on demand (server/model_pool.py), by event ("load", "unload") and model
+        self.model_events = Counter("lowbit_model_events", "models loaded and unloaded", ["event", "model"],
+                                    registry=r)
         r.register(_EngineCollector(stats))
 
     def observe(self, t0: float, t_first: float | None, end: float, prompt_len: int, n_out: int, finish: str) -> None:

@@ -48,6 +48,7 @@ from lowbit.runtime.server.chat_response import call_id, replies
 from lowbit.runtime.server.deps import frontend, require_key
 from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
 from lowbit.runtime.server.frontend import Frontend, Served
+from lowbit.runtime.server.model_pool import ModelNotFound
 from lowbit.runtime.server.ollama_card import capabilities, card, entries, iso_time, model
 from lowbit.runtime.server.request import Parsed, RequestParser
 from lowbit.runtime.server.sse import sse_response
@@ -129,27 +130,48 @@ async def version():
 
 @router.get("/api/tags")
 async def tags(request: Request):
+    """Every model the port offers: a loaded one described from the model, the others from their offer."""
     fe = frontend(request)
-    return {"models": entries(fe, fe.require())}
+    fe.require()
+    out = []
+    for name, offer in fe.pool.offers.items():
+        held = fe.pool.loaded.get(name)
+        out += entries(fe, held.served) if held is not None else [
+            {"name": n, "model": n, "modified_at": _now(), "size": offer.bytes, "digest": "",
+             "details": {"parent_model": "", "format": "", "family": "", "families": [], "parameter_size": "",
+                         "quantization_level": ""}} for n in (name, *offer.aliases)]
+    return {"models": out}
 
 
 @router.get("/api/ps")
 async def ps(request: Request):
+    """The models in memory now, with when each goes once idle (keep_alive, --idle-unload)."""
     fe = frontend(request)
-    served = fe.served
-    if served is None:  # still loading: nothing is in memory yet
+    if fe.pool is None:  # still loading: nothing is in memory yet
         return {"models": []}
-    c = card(fe, served)
-    device = (served.formats or {}).get("device") or getattr(model(served), "device", "cpu")
-    on_gpu = str(device).startswith("cuda")
-    return {"models": [{**e, "expires_at": "2318-01-01T00:00:00Z", "size_vram": c.size if on_gpu else 0,
-                        "context_length": served.max_model_len} for e in entries(fe, served)]}
+    out = []
+    for held in list(fe.pool.loaded.values()):
+        served = held.served
+        c = card(fe, served)
+        device = (served.formats or {}).get("device") or getattr(model(served), "device", "cpu")
+        size_vram = c.size if str(device).startswith("cuda") else 0
+        out += [{**e, "expires_at": _expires(held.expires), "size_vram": size_vram,
+                 "context_length": served.max_model_len} for e in entries(fe, served)]
+    return {"models": out}
+
+
+def _expires(at: float | None) -> str:
+    """A monotonic unload time as Ollama's RFC 3339 timestamp (never: Ollama's far-future one)."""
+    if at is None:
+        return "2318-01-01T00:00:00Z"
+    wall = time.time() + (at - time.monotonic())
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
 
 
 @router.post("/api/show")
 async def show(request: Request):
     fe = frontend(request)
-    served = fe.require()
+    served = await _model(fe, request)
     body = await fe.body(request)
     _resolve(served, body.get("model") or body.get("name"))  # `name`: the older clients' field
     c = card(fe, served)
@@ -168,10 +190,10 @@ async def show(request: Request):
 async def chat(request: Request):
     t0 = time.perf_counter()
     fe = frontend(request)
-    served = fe.require()
-    name, stream, parsed = await fe.parse(request, _chat_request, fe.parser, served)
+    served = await _model(fe, request)
+    name, stream, parsed = await fe.parse(request, _chat_request, served.parser, served)
     if not isinstance(parsed, Parsed):  # the model (un)loaded: nothing to generate
-        return parsed
+        return await _loaded(fe, served, parsed)
     gen = _Generation(fe, served, parsed, t0)
     return await _run(gen, stream, partial(_chat_frame, name), gen.stats)
 
@@ -180,19 +202,27 @@ async def chat(request: Request):
 async def generate(request: Request):
     t0 = time.perf_counter()
     fe = frontend(request)
-    served = fe.require()
-    name, stream, parsed = await fe.parse(request, _generate_request, fe.parser, served)
+    served = await _model(fe, request)
+    name, stream, parsed = await fe.parse(request, _generate_request, served.parser, served)
     if not isinstance(parsed, Parsed):  # the model (un)loaded: nothing to generate
-        return parsed
+        return await _loaded(fe, served, parsed)
     gen = _Generation(fe, served, parsed, t0)
     return await _run(gen, stream, partial(_generate_frame, name), partial(_generate_final, gen))
+
+
+async def _loaded(fe, served, reply: dict) -> dict:
+    """Ollama's load / unload request answered: `keep_alive: 0` with nothing to generate unloads the model
+    now (a model handed over loaded, as in tests, stays: server/model_pool.py)."""
+    if reply.get("done_reason") == "unload":
+        await fe.pool.unload(served.model_name)
+    return reply
 
 
 @router.post("/api/embed")
 async def embed_route(request: Request):
     t0 = time.perf_counter()
     fe = frontend(request)
-    served = fe.require()
+    served = await _model(fe, request)
     name, ids, dimensions = await fe.parse(request, _embed_request, served)
     vectors, n = ([], 0) if not ids else await _embeddings(fe, served, ids, dimensions)
     return {"model": name, "embeddings": vectors, "total_duration": _ns(time.perf_counter() - t0),
@@ -202,7 +232,7 @@ async def embed_route(request: Request):
 @router.post("/api/embeddings")
 async def embeddings_route(request: Request):
     fe = frontend(request)
-    served = fe.require()
+    served = await _model(fe, request)
     ids = await fe.parse(request, _embeddings_request, served)
     if ids is None:
         return {"embedding": []}
@@ -213,7 +243,7 @@ async def embeddings_route(request: Request):
 @router.post("/api/pull")
 async def pull(request: Request):
     fe = frontend(request)
-    served = fe.require()
+    served = await _model(fe, request)
     body = await fe.body(request)
     name = body.get("model") or body.get("name")
     try:
@@ -359,6 +389,14 @@ def _token_ids(served: Served, texts: list[str], truncate: bool) -> list[list[in
             x = x[:limit]
         ids.append(x)
     return ids
+
+
+async def _model(fe, request):
+    """The model the body names, loaded on demand (Frontend.model); Ollama's words for one it lacks."""
+    try:
+        return await fe.model(request)
+    except ModelNotFound as e:
+        raise _not_found(e.name) from None
 
 
 def _not_found(name) -> APIError:
@@ -550,7 +588,7 @@ class _Generation:
         await self.events.aclose()
 
     async def steps(self) -> AsyncIterator[_Step]:
-        responder = self.fe.responder
+        responder = self.served.responder
         try:
             async for _, pieces, d in replies(self.parsed, self.events):
                 step = _Step()

@@ -32,7 +32,7 @@ router = APIRouter(dependencies=[Depends(require_key)])
 
 @public.get("/health")
 async def health(request: Request):
-    if frontend(request).served is None:
+    if frontend(request).pool is None:
         return JSONResponse({"status": "loading"}, status_code=503)
     return {"status": "ok"}
 
@@ -50,26 +50,45 @@ async def version():
 
 @router.get("/v1/models")
 async def models(request: Request):
+    """Every model the port offers, loaded or not (Open WebUI's picker lists these)."""
     fe = frontend(request)
-    served = fe.require()
-    return {"object": "list", "data": [fe.model_card(served, n) for n in (served.model_name, *served.aliases)]}
+    fe.require()
+    return {"object": "list", "data": [fe.model_card(name) for name in fe.pool.names()]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model_info(model_id: str, request: Request):
     fe = frontend(request)
-    served = fe.require()
-    if model_id not in (served.model_name, *served.aliases):
+    fe.require()
+    if model_id not in fe.pool.names():
         raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error", "model",
                        "model_not_found")
-    return fe.model_card(served, model_id)
+    return fe.model_card(model_id)
+
+
+@router.post("/models/load")
+async def load_model(request: Request):
+    """llama-server's router mode: load `model` now (it would load on its first request)."""
+    fe = frontend(request)
+    served = await fe.model(request)
+    return {"success": True, "model": served.model_name}
+
+
+@router.post("/models/unload")
+async def unload_model(request: Request):
+    """llama-server's router mode: unload `model` now (its running requests end with an error)."""
+    fe = frontend(request)
+    fe.require()
+    body = await fe.body(request)
+    name = fe.pool.name_of(body.get("model") if isinstance(body.get("model"), str) else None)
+    return {"success": await fe.pool.unload(name), "model": name}
 
 
 @router.post("/v1/embeddings")
 async def embeddings(request: Request):
     fe = frontend(request)
-    served = fe.require()
-    texts, fmt = await fe.parse(request, fe.parser.embeddings, fields=EMBEDDINGS_FIELDS)
+    served = await fe.model(request)
+    texts, fmt = await fe.parse(request, served.parser.embeddings, served=served, fields=EMBEDDINGS_FIELDS)
     vectors = await fe.one_pass(served, "embeddings", "input", lambda model: embed(model, texts, served.pooling))
     data = []
     for i, v in enumerate(vectors.cpu()):
@@ -83,30 +102,30 @@ async def embeddings(request: Request):
 @router.post("/tokenize")
 async def tokenize(request: Request):
     fe = frontend(request)
-    served = fe.require()
-    ids = await fe.parse(request, fe.parser.tokenize, fields=TOKENIZE_FIELDS)
+    served = await fe.model(request)
+    ids = await fe.parse(request, served.parser.tokenize, served=served, fields=TOKENIZE_FIELDS)
     return {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request):
     fe = frontend(request)
-    fe.require()
-    text = await fe.parse(request, fe.parser.detokenize, fields=DETOKENIZE_FIELDS)
+    served = await fe.model(request)
+    text = await fe.parse(request, served.parser.detokenize, served=served, fields=DETOKENIZE_FIELDS)
     return {"prompt": text, "content": text}  # vLLM's name, llama-server's
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     fe = frontend(request)
-    served = fe.require()
-    req = await fe.parse(request, fe.parser.chat, fields=CHAT_FIELDS)
+    served = await fe.model(request)
+    req = await fe.parse(request, served.parser.chat, served=served, fields=CHAT_FIELDS)
     return await fe.reply(served, req, "chatcmpl")
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
     fe = frontend(request)
-    served = fe.require()
-    req = await fe.parse(request, fe.parser.completion, fields=COMPLETION_FIELDS)
+    served = await fe.model(request)
+    req = await fe.parse(request, served.parser.completion, served=served, fields=COMPLETION_FIELDS)
     return await fe.reply(served, req, "cmpl")

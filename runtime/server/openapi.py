@@ -37,13 +37,19 @@ _BODIES = {
     "/api/generate": {"model": {"type": "string"}, "prompt": {"type": "string"}, "stream": {"type": "boolean"}},
     "/api/show": {"model": {"type": "string"}}, "/api/embed": {"model": {"type": "string"}, "input": _STR_OR_LIST},
     "/api/embeddings": {"model": {"type": "string"}, "prompt": {"type": "string"}},
+    "/infill": {"input_prefix": {"type": "string"}, "input_suffix": {"type": "string"}, "prompt": {"type": "string"},
+                "n_predict": {"type": "integer"}, "temperature": {"type": "number"}, "stream": {"type": "boolean"}},
+    **{path: {"model": {"type": "string"}, "query": {"type": "string"},
+              "documents": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "object"}]}},
+              "top_n": {"type": "integer", "minimum": 1}, "return_documents": {"type": "boolean"}}
+       for path in ("/v1/rerank", "/rerank")},
 }
 _OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 _OLLAMA_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
-_STREAMS = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
+_STREAMS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/infill"}
 
 
 # ---- the replies (200, application/json, not streamed) ----------------------------------------------
@@ -157,6 +163,11 @@ _OK = {  # path → its 200 reply
                        load_duration=_COUNT, prompt_eval_count=_COUNT),
     "/api/embeddings": _obj("embedding", embedding=_list(_N)),
     "/api/pull": _obj("status", status=_enum("success")),
+    "/version": _obj("version python torch", version=_S, python=_S, torch=_S, cuda=_t("string", "null")),
+    **{path: _obj("object model results usage", object=_enum("list"), model=_S, results=_list(_obj(
+        "index relevance_score", index=_COUNT, relevance_score=_N, document=_obj("text", text=_S))),
+        usage=_obj("prompt_tokens total_tokens", prompt_tokens=_COUNT, total_tokens=_COUNT))
+       for path in ("/v1/rerank", "/rerank")},
 }
 
 

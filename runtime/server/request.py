@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from lowbit.runtime.engine.grammar import GrammarCompiler, GrammarError
+from lowbit.runtime.engine.sampler import MAX_LOGPROBS, SamplingParams
 from lowbit.runtime.load.chat_template import REASONING_FIELDS
 from lowbit.runtime.load.tokenizer import PromptTooLong
 from lowbit.runtime.server.body import decode_json
@@ -24,7 +25,6 @@ from lowbit.runtime.server.harmony import harmony_history, is_harmony
 from lowbit.runtime.server.reply import think_tags
 from lowbit.runtime.server.tools import ToolPlan, history_message, parse_tools, prompt_messages, reply_grammar
 from lowbit.runtime.server.user_grammar import GRAMMAR_FIELDS, grammar_param, user_grammar
-from lowbit.runtime.engine.sampler import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("lowbit.server")
 

@@ -70,14 +70,14 @@ def _renamed(e: APIError) -> APIError:
 @router.post("/v1/responses")
 async def create_response(request: Request):
     fe = frontend(request)
-    served = fe.require()
-    parsed, echo = await fe.parse(request, _parse, fe.parser, fields=RESPONSES_FIELDS)
+    served = await fe.model(request)
+    parsed, echo = await fe.parse(request, _parse, served.parser, served=served, fields=RESPONSES_FIELDS)
     rid = _id("resp")
     try:
         deltas = await fe.start(served, parsed, rid)
     except APIError as e:
         raise _renamed(e) from None
-    stream = ResponsesStream(fe.responder, parsed, rid, echo)
+    stream = ResponsesStream(served.responder, parsed, rid, echo)
     if not parsed.stream:
         try:
             last = None
