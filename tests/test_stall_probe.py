@@ -73,6 +73,7 @@ async def _probe(base: str, path: str, size: int, streams: int, tokens: int) -> 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/api/chat"])
 def test_a_7mb_prompt_is_refused_without_stalling_a_stream(lowbit_server, path):
     gap, heavy, answered, ended = asyncio.run(_probe(lowbit_server[0], path, 7_000_000, 1, 300))
+    print(f"{path}: 7 MB prompt answered {heavy.status_code}; the stream's largest gap {gap:.3f} s")
     assert heavy.status_code == 400 and "context length" in heavy.text, heavy.text[:300]
     assert "at least" in heavy.text  # told from its length, not tokenized
     assert answered < ended, "the stream ended before the prompt was refused: the probe measured nothing"
@@ -81,6 +82,7 @@ def test_a_7mb_prompt_is_refused_without_stalling_a_stream(lowbit_server, path):
 
 def test_16_streams_flow_while_a_700kb_prompt_is_refused(lowbit_server):
     gap, heavy, answered, ended = asyncio.run(_probe(lowbit_server[0], "/v1/chat/completions", 700_000, 16, 120))
+    print(f"16 streams, 700 KB prompt answered {heavy.status_code}; the largest gap {gap:.3f} s")
     assert heavy.status_code == 400 and "context length" in heavy.text, heavy.text[:300]
     assert answered < ended, "the streams ended before the prompt was refused: the probe measured nothing"
     assert gap <= MAX_GAP, f"a stream waited {gap:.2f} s between two chunks"
