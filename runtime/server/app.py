@@ -3,7 +3,8 @@ per API, all over one `Frontend` (server/frontend.py) at `app.state.lowbit`.
 
 APIs on the port: OpenAI's (server/openai.py: chat completions with tools and reasoning, completions,
 embeddings, models, /tokenize, /detokenize; /health, 503 while the model loads, and /metrics in
-Prometheus' text format), OpenAI's Responses API (server/responses_api.py, stateless) and Ollama's
+Prometheus' text format), OpenAI's Responses API (server/responses_api.py, stateless), Anthropic's
+Messages API (server/anthropic_api.py: /v1/messages and count_tokens, Claude Code's) and Ollama's
 /api/* (server/ollama.py), llama-server's /infill and rerank (server/llama_server.py), all on the same
 engine path. Around every route: CORS, the host, origin
 and body-size guard (server/guard.py), cancellation when the client goes away
@@ -15,7 +16,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from lowbit.runtime.server import llama_server, ollama, openai, responses_api
+from lowbit.runtime.server import anthropic_api, llama_server, ollama, openai, responses_api
 from lowbit.runtime.server.disconnect import CancelOnDisconnect
 from lowbit.runtime.server.errors import install_error_handlers
 from lowbit.runtime.server.frontend import Frontend, Served
@@ -47,7 +48,7 @@ def build_app(served: Served | None = None, api_key: str | None = None,
         fe.ready(served)
     # the order routes were always added in: the OpenAPI schema lists them so
     for router in (openai.public, openai.router, responses_api.router, ollama.public, ollama.router,
-                   llama_server.router):
+                   llama_server.router, anthropic_api.router):
         app.include_router(router)
     install_openapi(app)
     return app
