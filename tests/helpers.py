@@ -29,6 +29,40 @@ class ByteTokenizer:
 
 
 @contextlib.contextmanager
+def serve_process(args: list[str], log, env: dict | None = None, ready_s: float = 120):
+    """`lowbit serve ARGS --port P` as users start it, a subprocess logging to `log` → (base URL, the process)
+    once /health answers 200; SIGINT (then kill) on exit."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "lowbit.runtime.cli", "serve", *args, "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    base, deadline = f"http://127.0.0.1:{port}", time.time() + ready_s
+    try:
+        while True:
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        yield base, proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextlib.contextmanager
 def serving(app):
     """An ASGI app on a free loopback port, uvicorn in a thread → its base URL (http://127.0.0.1:P);
     stopped on exit."""

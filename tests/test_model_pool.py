@@ -9,17 +9,13 @@ alternate between them swap them in and out (the log's and /metrics' loads and u
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from lowbit.runtime.ports import free_port
+from tests.helpers import serve_process
 
 pytestmark = pytest.mark.slow
 KV = 128 << 20  # --kv-memory: each model's estimate is its file plus this
@@ -34,28 +30,10 @@ def _rss(pid: int) -> int:
 def pool_server(default_gguf, moe_gguf, oss_quants, tmp_path_factory):
     models = [default_gguf, moe_gguf, oss_quants["Q8_0"]]
     memory = max(p.stat().st_size for p in models) + KV + (1 << 20)  # one model at a time
-    port, log = free_port(), tmp_path_factory.mktemp("pool") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "lowbit.runtime.cli", "serve", str(models[0]), "--models",
-                                 *map(str, models[1:]), "--port", str(port), "--kv-memory", "128MiB",
-                                 "--memory", str(memory)], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base, deadline = f"http://127.0.0.1:{port}", time.time() + 180
-    try:
-        while True:
-            assert proc.poll() is None and time.time() < deadline, log.read_text()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+    log = tmp_path_factory.mktemp("pool") / "serve.log"
+    with serve_process([str(models[0]), "--models", *map(str, models[1:]), "--kv-memory", "128MiB",
+                        "--memory", str(memory)], log, ready_s=180) as (base, proc):
         yield base, models, proc, log
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _loaded(base: str) -> list[str]:

@@ -1,7 +1,5 @@
 """Fuzz lowbit serve from its own /openapi.json (issue 25 item 10): no 5xx, replies match the schema."""
 
-import os, signal, subprocess, sys, time
-
 import httpx
 import hypothesis
 import pytest
@@ -9,7 +7,7 @@ import schemathesis
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from lowbit.runtime.ports import free_port
+from tests.helpers import serve_process
 
 KEY = "sk-fuzz"
 
@@ -17,28 +15,9 @@ KEY = "sk-fuzz"
 @pytest.fixture(scope="session")
 def fuzz_server(default_gguf, tmp_path_factory):
     """A small-context server (--ctx-size 256) so generation-heavy examples stay fast."""
-    port, log = free_port(), tmp_path_factory.mktemp("fuzz") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "lowbit.runtime.cli", "serve", str(default_gguf), "--port",
-                                 str(port), "--ctx-size", "256", "--kv-memory", "64MiB"],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "LOWBIT_API_KEY": KEY})
-    base, deadline = f"http://127.0.0.1:{port}", time.time() + 120
-    try:
-        while True:
-            assert proc.poll() is None and time.time() < deadline, log.read_text()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+    with serve_process([str(default_gguf), "--ctx-size", "256", "--kv-memory", "64MiB"],
+                       tmp_path_factory.mktemp("fuzz") / "serve.log", {"LOWBIT_API_KEY": KEY}) as (base, _):
         yield base
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 schema = schemathesis.pytest.from_fixture("fuzz_schema")

@@ -41,12 +41,11 @@ import uuid
 from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
+from fastapi.responses import JSONResponse
 
 from lowbit.runtime.server.anthropic_reply import MessageStream, anthropic_error, sse_event
 from lowbit.runtime.server.deps import frontend
-from lowbit.runtime.server.errors import APIError, bad_request
+from lowbit.runtime.server.errors import APIError, bad_request, shaped_route
 from lowbit.runtime.server.request import Parsed, RequestParser
 from lowbit.runtime.server.sse import sse_response
 
@@ -67,22 +66,6 @@ _RENAMED = ((".function.parameters", ".input_schema"), (".function.name", ".name
 _BILLING = re.compile(r"^(x-anthropic-billing-header:[^\n]*?cch=)[0-9A-Za-z]+;")
 
 
-class _AnthropicRoute(APIRoute):
-    """A route answering every APIError in Anthropic's shape: the key's 401 (a router dependency,
-    run inside this handler) included."""
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def answer(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except APIError as e:
-                return JSONResponse(anthropic_error(e), status_code=e.status, headers=e.headers)
-
-        return answer
-
-
 async def require_key(request: Request) -> None:
     """401 unless the request carries the server's API key (when it has one) as `x-api-key`, as
     Anthropic's clients send it, or as a bearer token (Claude Code's ANTHROPIC_AUTH_TOKEN)."""
@@ -97,7 +80,8 @@ async def require_key(request: Request) -> None:
                             "'Authorization: Bearer <key>').", "authentication_error", None, "invalid_api_key")
 
 
-router = APIRouter(dependencies=[Depends(require_key)], route_class=_AnthropicRoute)
+router = APIRouter(dependencies=[Depends(require_key)], route_class=shaped_route(
+    lambda e: JSONResponse(anthropic_error(e), status_code=e.status, headers=e.headers)))
 
 
 # ---- routes ---------------------------------------------------------------------------------------

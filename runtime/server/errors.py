@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -59,3 +60,23 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         return bad_request(str(e.errors()[:1])).response()
+
+
+def shaped_route(shape) -> type[APIRoute]:
+    """A route class answering every APIError as `shape(error)` → Response, for a dialect whose errors are
+    not OpenAI's (Ollama's {"error": "..."}, Anthropic's): the key's 401, a router dependency run inside
+    the handler, included."""
+
+    class ShapedRoute(APIRoute):
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def answer(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except APIError as e:
+                    return shape(e)
+
+            return answer
+
+    return ShapedRoute

@@ -39,14 +39,13 @@ from functools import partial
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from fastapi.routing import APIRoute
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from lowbit.runtime.engine.embedder import embed
 from lowbit.runtime.engine.sampler import MAX_LOGPROBS
 from lowbit.runtime.server.chat_response import call_id, replies
 from lowbit.runtime.server.deps import frontend, require_key
-from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded
+from lowbit.runtime.server.errors import APIError, bad_request, context_exceeded, shaped_route
 from lowbit.runtime.server.frontend import Frontend, Served
 from lowbit.runtime.server.model_pool import ModelNotFound
 from lowbit.runtime.server.ollama_card import capabilities, card, entries, iso_time, model
@@ -79,24 +78,8 @@ def _ollama_error(e: APIError) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=e.status, headers=e.headers)
 
 
-class _OllamaRoute(APIRoute):
-    """A route answering every APIError in Ollama's shape, {"error": "..."} with the status: the
-    key's 401 (a router dependency, run inside this handler) included."""
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def answer(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except APIError as e:
-                return _ollama_error(e)
-
-        return answer
-
-
 public = APIRouter()  # what clients probe the port with, keyless as in Ollama
-router = APIRouter(dependencies=[Depends(require_key)], route_class=_OllamaRoute)
+router = APIRouter(dependencies=[Depends(require_key)], route_class=shaped_route(_ollama_error))
 
 
 def _now() -> str:
