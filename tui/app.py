@@ -218,6 +218,8 @@ class ChatApp(App):
         # the chat this reply belongs to, even if Ctrl+N or the history opens another before it ends
         messages, chat_id = self.messages, self.chat_id
         self.generating = True
+        if (self.model_info.get("status") or {}).get("value") == "unloaded":  # lowbit serve --models
+            self.query_one("#status", Static).update(f"loading {self.model_info['id']} on the server ...")
         try:
             async for chunk in self.client.stream_chat(self.wire_messages(), self.settings,
                                                        self.settings.model or ""):
@@ -259,7 +261,17 @@ class ChatApp(App):
                 self.save()
             else:  # another chat is open now: file the reply under its own, unless that was deleted
                 self.write(chat_id, messages, None, recreate=False)
+            if not reply.stopped:  # Esc or the app closing: no request to wait on
+                await self.refresh_models()
             self.show_status()
+
+    async def refresh_models(self) -> None:
+        """/v1/models again: a model the reply loaded on demand now has its context length and formats."""
+        try:
+            self.served = await self.client.models()
+        except (ChatError, ValueError, KeyError):
+            return  # the status line keeps what it knew
+        self.model_info = next((m for m in self.served if m.get("id") == self.model_info.get("id")), self.model_info)
 
     @contextmanager
     def database(self, doing: str) -> Iterator[None]:

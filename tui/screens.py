@@ -74,7 +74,9 @@ class SettingsScreen(ModalScreen[Settings | None]):
         ids = [m["id"] for m in models]
         if ids:
             select = self.query_one("#model", Select)
-            select.set_options([(i, i) for i in ids])
+            # lowbit serve --models: a model not loaded yet loads on its first request (seconds to minutes)
+            select.set_options([(m["id"] + (" (loads when used)" if (m.get("status") or {}).get("value") == "unloaded"
+                                            else ""), m["id"]) for m in models])
             select.value = self.settings.model if self.settings.model in ids else ids[0]
         self.models_loaded = True
 

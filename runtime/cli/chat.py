@@ -14,6 +14,7 @@ import sys
 import threading
 
 from lowbit.runtime.cli.engine_args import add_engine_args, add_model_args
+from lowbit.runtime.cli.offers import add_pool_args
 from lowbit.runtime.ports import free_port
 
 
@@ -29,6 +30,7 @@ def add_chat_parser(sub) -> None:
                       help="alias, .gguf path or HF directory (same as --model)")
     add_model_args(chat)
     add_engine_args(chat)
+    add_pool_args(chat)  # the in-process server offers these too: Settings (Ctrl+S) picks among them
     chat.add_argument("--base-url", default=None,
                       help="use this OpenAI-compatible server (its root or its /v1 URL) instead of loading a model here")
     chat.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -47,6 +49,7 @@ def start_local_server(args, failure: list) -> tuple[str, tuple]:
     import uvicorn
 
     from lowbit.runtime.cli.engine_args import check_engine_args, load_served, parse_size
+    from lowbit.runtime.cli.offers import open_pool
     from lowbit.runtime.server.app import build_app
 
     check_engine_args(args)
@@ -59,7 +62,7 @@ def start_local_server(args, failure: list) -> tuple[str, tuple]:
 
     def load() -> None:
         try:
-            app.state.lowbit.ready(load_served(args, kv_memory, progress=False))
+            app.state.lowbit.offer(open_pool(args, kv_memory, load_served, progress=False))
         except BaseException as e:  # noqa: BLE001 - shown by the app
             failure.append(e)
 

@@ -12,17 +12,44 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lowbit.runtime.engine.config import DEFAULT_KV_MEMORY
 from lowbit.runtime.errors import LowbitError
-from lowbit.runtime.load.fits import available_bytes
-from lowbit.runtime.server.model_pool import Offer
 
 FREE_SHARE = 0.8  # --memory's default: this share of the memory free at start
 
 
-def model_offers(args, kv_memory, load_served) -> list[Offer]:
-    """Offers in order (the first, MODEL or the first --models entry, is the default)."""
+def add_pool_args(parser) -> None:
+    """--models, --models-dir, --memory and --idle-unload (`lowbit serve`, and `lowbit chat`'s own server)."""
+    multi = parser.add_argument_group("several models on one port", "Requests name a model (`model`); one not "
+                                      "loaded loads on demand, the least recently used idle ones unloading to fit "
+                                      "--memory.")
+    multi.add_argument("--models", nargs="+", default=None, metavar="MODEL",
+                       help="models to offer besides MODEL (the first is the default); with this or --models-dir, "
+                            "the models in lowbit's cache and the hub cache are offered too")
+    multi.add_argument("--models-dir", default=None, metavar="DIR",
+                       help="offer every .gguf file and safetensors directory in DIR")
+    multi.add_argument("--memory", default=None, metavar="SIZE",
+                       help="the weights + KV caches loaded models may hold (default: 80%% of the free memory at "
+                            "start); a model that cannot fit alone is refused with a 400 naming the bytes")
+    multi.add_argument("--idle-unload", type=float, default=None, metavar="S",
+                       help="unload a model idle for S seconds (default: keep it until evicted; Ollama's "
+                            "keep_alive sets it per request)")
+
+
+def open_pool(args, kv_memory, load_served, progress):
+    """The pool of the models the flags offer, its default model loaded (with `progress`, as load_served
+    takes it) → ModelPool."""
+    from lowbit.runtime.server.model_pool import Loaded, ModelPool
+
+    offers = model_offers(args, kv_memory, load_served)
+    pool = ModelPool(offers, memory_budget(args), args.idle_unload)
+    pool.loaded[offers[0].name] = Loaded(offers[0].load(progress=progress), offers[0].bytes)
+    return pool
+
+
+def model_offers(args, kv_memory, load_served) -> list:
+    """Offers (server/model_pool.py) in order (the first, MODEL or the first --models entry, is the default)."""
     from lowbit.runtime.load.registry import list_models, resolve
+    from lowbit.runtime.server.model_pool import Offer
 
     refs = list(args.models or [])
     if args.model_pos or args.model or not refs and not args.models_dir:
@@ -43,7 +70,7 @@ def model_offers(args, kv_memory, load_served) -> list[Offer]:
         if path.resolve() in seen or any(o.name == name for o in offers):
             continue
         seen.add(path.resolve())
-        aliases = tuple(args.served_model_name or ()) if i == 0 else ()
+        aliases = tuple(getattr(args, "served_model_name", None) or ()) if i == 0 else ()
         offers.append(Offer(aliases[0] if aliases else name, _loader(args, kv_memory, load_served, path, aliases),
                             _bytes(path) + _kv_bytes(kv_memory), aliases[1:]))
     return offers
@@ -52,6 +79,7 @@ def model_offers(args, kv_memory, load_served) -> list[Offer]:
 def memory_budget(args) -> int | None:
     """--memory in bytes: the flag, or FREE_SHARE of the device's free memory (None where unknown)."""
     from lowbit.runtime.cli.engine_args import parse_size
+    from lowbit.runtime.load.fits import available_bytes
 
     if args.memory is not None:
         size = parse_size(args.memory)
@@ -86,4 +114,6 @@ def _bytes(path: Path) -> int:
 
 
 def _kv_bytes(kv_memory) -> int:
+    from lowbit.runtime.engine.config import DEFAULT_KV_MEMORY
+
     return int(kv_memory) if isinstance(kv_memory, int) else DEFAULT_KV_MEMORY

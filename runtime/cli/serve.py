@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 
+from lowbit.runtime.cli.offers import add_pool_args
 from lowbit.runtime.cli.engine_args import (add_engine_args, add_model_args, add_sampling_args, check_engine_args,
                                             load_served, parse_size)
 from lowbit.runtime.errors import LowbitError
@@ -44,20 +45,7 @@ def add_serve_parser(sub) -> None:
                             "stopped with an error (new requests get 503 meanwhile; a second signal stops "
                             "them at once; default 10)")
     add_engine_args(serve)
-    multi = serve.add_argument_group("several models on one port", "Requests name a model (`model`); one not "
-                                     "loaded loads on demand, the least recently used idle ones unloading to fit "
-                                     "--memory.")
-    multi.add_argument("--models", nargs="+", default=None, metavar="MODEL",
-                       help="models to offer besides MODEL (the first is the default); with this or --models-dir, "
-                            "the models in lowbit's cache and the hub cache are offered too")
-    multi.add_argument("--models-dir", default=None, metavar="DIR",
-                       help="offer every .gguf file and safetensors directory in DIR")
-    multi.add_argument("--memory", default=None, metavar="SIZE",
-                       help="the weights + KV caches loaded models may hold (default: 80%% of the free memory at "
-                            "start); a model that cannot fit alone is refused with a 400 naming the bytes")
-    multi.add_argument("--idle-unload", type=float, default=None, metavar="S",
-                       help="unload a model idle for S seconds (default: keep it until evicted; Ollama's "
-                            "keep_alive sets it per request)")
+    add_pool_args(serve)
     add_sampling_args(serve, "OpenAI's temperature 1, top-p 1; a request's own values win over all")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level (default info)")
@@ -107,9 +95,8 @@ def cmd_serve(args) -> int:
     try:
         import uvicorn
 
-        from lowbit.runtime.cli.offers import memory_budget, model_offers
+        from lowbit.runtime.cli.offers import open_pool
         from lowbit.runtime.server.app import build_app
-        from lowbit.runtime.server.model_pool import Loaded, ModelPool
         from lowbit.runtime.server.drain import Drain
         from lowbit.runtime.server.guard import is_loopback
     except ImportError as e:
@@ -139,14 +126,13 @@ def cmd_serve(args) -> int:
 
     def load_and_serve(server: uvicorn.Server) -> None:
         try:
-            offers = model_offers(args, kv_memory, load_served)
-            pool = ModelPool(offers, memory_budget(args), args.idle_unload)
-            served = offers[0].load(progress=None)
-            pool.loaded[offers[0].name] = Loaded(served, offers[0].bytes)  # the default: loaded at start
+            pool = open_pool(args, kv_memory, load_served, progress=None)
             app.state.lowbit.offer(pool)
-            if len(offers) > 1:
-                log.info("offering %d models (%s); loaded: %s", len(offers), ", ".join(o.name for o in offers[:8])
-                         + (", ..." if len(offers) > 8 else ""), offers[0].name)
+            served = pool.loaded_default()
+            if len(pool.offers) > 1:
+                names = list(pool.offers)
+                log.info("offering %d models (%s); loaded: %s", len(names), ", ".join(names[:8])
+                         + (", ..." if len(names) > 8 else ""), names[0])
             log.info("serving %s at %s (export OPENAI_BASE_URL=%s; Ollama clients: OLLAMA_HOST=%s)%s",
                      served.model_name, url, url, url.removesuffix("/v1"), "" if api_key else "; no API key required")
         except BaseException as e:  # noqa: BLE001 - reported by cmd_serve once uvicorn has stopped
