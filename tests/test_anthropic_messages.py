@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import anthropic
@@ -18,6 +20,8 @@ from anthropic.types import Message, RawMessageStreamEvent
 from lowbit.models.synthetic import random_weights
 from lowbit.runtime.engine.config import EngineConfig
 from lowbit.runtime.engine.engine import AsyncEngine, Engine
+from lowbit.runtime.engine.grammar import closed
+from lowbit.runtime.server.anthropic_api import chat_body
 from lowbit.runtime.server.app import Served, build_app
 from tests.helpers import serving
 from tests.test_harmony import ScriptedModel
@@ -37,17 +41,24 @@ CALL = ('<think>\nNeed weather.\n</think>\n\n<tool_call>\n'
 EVENT = pydantic.TypeAdapter(RawMessageStreamEvent)
 
 
-@pytest.fixture(scope="module")
-def s():
-    """The scripted model behind Qwen3's template, served with an API key, and an `anthropic` client."""
+@contextmanager
+def scripted_server(ctx: int, kv_memory: int):
+    """The scripted model behind Qwen3's template with a `ctx`-token context, served with an API key, and
+    an `anthropic` client."""
     tok = LineTokenizer(template("Qwen-Qwen3-0.6B.jinja"))
-    cfg = dataclasses.replace(CFG, max_seq_len=CTX)
+    cfg = dataclasses.replace(CFG, max_seq_len=ctx)
     model = ScriptedModel(cfg, random_weights(cfg, "int4-g32", "int8-g32", seed=0, scale=0.1)).eval()
     model.tok = tok
-    engine = Engine(model, tok, EngineConfig(kv_memory=16 << 20, max_num_seqs=2, exact=True))
-    with serving(build_app(Served(AsyncEngine(engine), tok, MODEL, CTX), api_key=KEY)) as base:
+    engine = Engine(model, tok, EngineConfig(kv_memory=kv_memory, max_num_seqs=2, exact=True))
+    with serving(build_app(Served(AsyncEngine(engine), tok, MODEL, ctx), api_key=KEY)) as base:
         client = anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0, timeout=120)
         yield SimpleNamespace(model=model, tok=tok, base=base, client=client, engine=engine)
+
+
+@pytest.fixture(scope="module")
+def s():
+    with scripted_server(CTX, 16 << 20) as server:
+        yield server
 
 
 def say(s, reply: str) -> None:
@@ -64,14 +75,14 @@ def streamed(s, **ask) -> Message:
         return st.get_final_message()
 
 
-def events(s, body: dict, **headers) -> list[dict]:
+def events(s, body: dict, path: str = "/v1/messages", **headers) -> list[dict]:
     """A streamed reply's events, each named by its `event:` line as its data's type, validated by the
     SDK's models, and in Anthropic's order: message_start, blocks opened, written and closed one at a
     time by index, message_delta, message_stop."""
     out, name = [], None
-    with httpx.stream("POST", s.base + "/v1/messages", json={**body, "stream": True}, timeout=120,
-                      headers={"x-api-key": KEY, "anthropic-version": "2023-06-01", **headers}) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    with httpx.stream("POST", s.base + path, json={**body, "stream": True}, timeout=120,
+                      headers={"anthropic-version": "2023-06-01", **headers, "x-api-key": KEY}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.read()
         for line in r.iter_lines():
             if line.startswith("event: "):
                 name = line[len("event: "):]
@@ -295,59 +306,140 @@ def test_failure_after_the_reply_began(s):
     assert s.engine.blocks.num_used_pages == 0
 
 
-# A request as Claude Code sends it: its system prompt as text blocks (a billing header first, whose cch
-# changes every request), cache_control marks, tools with draft-07 input schemas, thinking with a budget,
-# metadata.user_id, 32,000 max_tokens and the beta headers
-CLAUDE_CODE = {
-    "model": MODEL, "max_tokens": 32000, "stream": True, "temperature": 1,
-    "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.0.14.a1b; cc_entrypoint=cli; cch=a5145;"},
-               {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
-                "cache_control": {"type": "ephemeral"}},
-               {"type": "text", "text": "\nYou are an interactive CLI tool that helps users with software "
-                                        "engineering tasks.", "cache_control": {"type": "ephemeral"}}],
-    "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "<system-reminder>\nAs you answer, use the tools.\n</system-reminder>"},
-        {"type": "text", "text": "list the files here", "cache_control": {"type": "ephemeral"}}]}],
-    "tools": [
-        {"name": "Bash", "description": "Executes a given bash command.", "input_schema": {
-            "type": "object", "properties": {
-                "command": {"type": "string", "description": "The command to execute"},
-                "timeout": {"type": "number", "description": "Optional timeout in milliseconds (max 600000)"},
-                "description": {"type": "string", "description": "What this command does in 5-10 words"},
-                "run_in_background": {"type": "boolean"}},
-            "required": ["command"], "additionalProperties": False,
-            "$schema": "http://json-schema.org/draft-07/schema#"}},
-        {"name": "Read", "description": "Reads a file from the local filesystem.", "input_schema": {
-            "type": "object", "properties": {"file_path": {"type": "string"}, "offset": {"type": "number"},
-                                             "limit": {"type": "number"}},
-            "required": ["file_path"], "additionalProperties": False,
-            "$schema": "http://json-schema.org/draft-07/schema#"}},
-        {"name": "Glob", "description": "Fast file pattern matching.", "input_schema": {
-            "type": "object", "properties": {"pattern": {"type": "string"}, "path": {"type": "string"}},
-            "required": ["pattern"], "additionalProperties": False,
-            "$schema": "http://json-schema.org/draft-07/schema#"}, "cache_control": {"type": "ephemeral"}}],
-    "metadata": {"user_id": "user_2f1c_account__session_8d0a"},
-    "thinking": {"type": "enabled", "budget_tokens": 1024},
-}
+# ---- Claude Code's own requests ----------------------------------------------------------------------
+#
+# Recorded from Claude Code 2.1.197 against a stand-in server, its long prose cut (tests/data/claude_code/
+# README.md): three text blocks of system prompt (a billing header first) under cache_control, 24 tools
+# with draft 2020-12 input schemas, adaptive thinking, `output_config` and `context_management`, a
+# `system` message after the user's turn (the mid-conversation-system beta), 32,000 max_tokens, seven
+# anthropic-beta values and POST /v1/messages?beta=true.
+
+RECORDED = Path(__file__).parent / "data" / "claude_code"
+CC_CTX = 24576  # the recorded prompt, its prose cut, is ~19,000 byte tokens under Qwen3's template
 
 
-def test_claude_code_request(s):
-    say(s, '<think>\nList them.\n</think>\n\nI will list the files.\n<tool_call>\n'
-           '{"name": "Bash", "arguments": {"command": "ls", "description": "List files"}}\n</tool_call>')
-    ev = events(s, CLAUDE_CODE, **{"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14",
-                                   "user-agent": "claude-cli/2.0.14 (external, cli)"})
-    assert s.tok.last.startswith("<|im_start|>system\nx-anthropic-billing-header: cc_version=2.0.14.a1b; "
-                                 "cc_entrypoint=cli; cch=fffff;You are Claude Code")
-    assert "<|im_start|>user\n<system-reminder>\nAs you answer, use the tools.\n</system-reminder>list the files here" \
-        in s.tok.last
-    start = ev[0]["message"]
-    assert start["id"].startswith("msg_") and start["content"] == [] and start["usage"]["input_tokens"] == s.tok.prompt_len
+@pytest.fixture(scope="module")
+def cc():
+    with scripted_server(CC_CTX, 64 << 20) as server:
+        yield server
+
+
+def recorded(name: str) -> tuple[dict, str, dict]:
+    """A recorded request: its body (`model` set to the served id: Claude Code sends its own model names,
+    claude-opus-4-8 out of the box, so a user sets ANTHROPIC_MODEL to lowbit's model id, as the recording
+    of request.json and tool_result.json did), its path with its query, and its headers (the key ours)."""
+    r = json.loads((RECORDED / f"{name}.json").read_text())
+    path = r["path"] + (f"?{r['query']}" if r["query"] else "")
+    return {**r["body"], "model": MODEL}, path, {k: v for k, v in r["headers"].items() if k != "x-api-key"}
+
+
+def texts(content) -> str:
+    return content if isinstance(content, str) else "".join(b["text"] for b in content)
+
+
+def replay(s, name: str, reply: str):
+    """The recorded request `name` with the model writing `reply`: streamed as recorded (its body, path
+    and headers), its events checked as `events` checks them, then again through the SDK's beta client
+    (Claude Code's: ?beta=true), whose stream builds the Message. → the body, the events, the Message."""
+    body, path, headers = recorded(name)
+    say(s, reply)
+    ev = events(s, body, path, **headers)
+    usage = ev[-2]["usage"]
+    assert ev[0]["message"]["usage"]["input_tokens"] == s.tok.prompt_len  # before the engine's count
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == s.tok.prompt_len
+    assert usage["output_tokens"] == len(s.model.script) - 1  # the end token is not counted
+    first = {k: body[k] for k in ("model", "max_tokens", "messages")}
+    rest = {k: v for k, v in body.items() if k not in first and k != "stream"}
+    with s.client.beta.messages.stream(**first, extra_body=rest, extra_headers=headers) as st:
+        final = st.get_final_message()
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == s.tok.prompt_len
+    assert (final.stop_reason, final.usage.output_tokens) == (ev[-2]["delta"]["stop_reason"], usage["output_tokens"])
+    return body, ev, final
+
+
+def test_claude_code_request(cc):
+    body, ev, m = replay(cc, "request", '<think>\nList them.\n</think>\n\nI will list the files.\n<tool_call>\n'
+                                        '{"name": "Bash", "arguments": {"command": "ls", "description": "List '
+                                        'files"}}\n</tool_call>')
+    assert body["thinking"] == {"type": "adaptive"} and [t["role"] for t in body["messages"]] == ["user", "system"]
+    # the prompt: the system blocks joined, the tools in their order, the user's text blocks joined, the
+    # mid-conversation system message in its place, and the turn left open for thinking
+    [user, system] = body["messages"]
+    prompt = cc.tok.last
+    assert prompt.startswith(f"<|im_start|>system\n{texts(body['system'])}\n\n# Tools\n")
+    assert prompt.endswith(f"</tool_call><|im_end|>\n<|im_start|>user\n{texts(user['content'])}<|im_end|>\n"
+                           f"<|im_start|>system\n{system['content']}<|im_end|>\n<|im_start|>assistant\n")
+    at = [prompt.index(f'{{"type": "function", "function": {{"name": "{t["name"]}", "description": '
+                       f'{json.dumps(t["description"], ensure_ascii=False)}, "parameters": {{"type": "object", ')
+          for t in body["tools"]]
+    assert at == sorted(at) and len(at) == 24
+    assert blocks(m) == [("thinking", "\nList them.\n"), ("text", "I will list the files.\n"),
+                         ("tool_use", "Bash", {"command": "ls", "description": "List files"})]
+    assert m.content[0].signature and m.content[2].id.startswith("toolu_") and m.stop_reason == "tool_use"
     assert [e["content_block"]["type"] for e in ev if e["type"] == "content_block_start"] == \
         ["thinking", "text", "tool_use"]
-    call = json.loads("".join(e["delta"].get("partial_json", "") for e in ev if e["type"] == "content_block_delta"))
-    assert call == {"command": "ls", "description": "List files"}
     assert ev[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert ev[-2]["usage"]["output_tokens"] == len(s.model.script) - 1
+    # count_tokens (which Claude Code 2.1.197 did not call) counts the same prompt
+    n = cc.client.messages.count_tokens(**{k: v for k, v in body.items() if k in ("model", "messages", "system",
+                                                                                 "tools", "thinking")})
+    assert n.input_tokens == cc.tok.prompt_len
+
+
+def test_claude_code_tool_result(cc):
+    """The follow-up: Claude Code ran the call and sends its tool_result (is_error false, under
+    cache_control); the turn before it is read from the cache the first request left."""
+    replay(cc, "request", "I will list the files.")
+    body, ev, m = replay(cc, "tool_result", "The only file is notes.txt.")
+    [call] = [b for b in body["messages"][2]["content"] if b["type"] == "tool_use"]
+    [result] = body["messages"][3]["content"]
+    assert result == {"tool_use_id": call["id"], "type": "tool_result", "content": "notes.txt", "is_error": False,
+                      "cache_control": {"type": "ephemeral"}}
+    assert cc.tok.last.endswith(
+        '<|im_start|>assistant\nI will list the files.\n<tool_call>\n{"name": "Bash", "arguments": {"command": "ls", '
+        '"description": "List files"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nnotes.txt\n'
+        '</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    assert blocks(m) == [("text", "The only file is notes.txt.")] and m.stop_reason == "end_turn"
+    assert ev[-2]["usage"]["cache_read_input_tokens"] > 18000  # all but the new turns
+
+
+def test_claude_code_thinking_budget(cc):
+    """Claude Code with a model it knows takes no adaptive thinking (claude-sonnet-4-5, recorded with
+    MAX_THINKING_TOKENS=1024): thinking enabled with that budget, no mid-conversation system message (its
+    agent list a system-reminder in the user's turn), no output_config."""
+    body, _, m = replay(cc, "budget_request", "<think>\nThe user wants ls.\n</think>\n\nRunning ls.")
+    assert body["thinking"] == {"type": "enabled", "budget_tokens": 1024} and "output_config" not in body
+    assert [t["role"] for t in body["messages"]] == ["user"]
+    assert cc.tok.last.endswith(f"<|im_start|>user\n{texts(body['messages'][0]['content'])}<|im_end|>\n"
+                                "<|im_start|>assistant\n")
+    assert blocks(m) == [("thinking", "\nThe user wants ls.\n"), ("text", "Running ls.")]
+    assert m.stop_reason == "end_turn"
+
+
+def test_what_claude_code_sends_that_lowbit_adapts():
+    """A `system` message among the turns is one in its place; `propertyNames: {"type": "string"}` (which
+    says nothing, and which the grammar library cannot compile: Claude Code's TaskCreate and TaskUpdate
+    carry it) leaves the schema, a property of that name and data (enum, const) staying; a billing
+    header's `cch=`, which changes every request (Claude Code sends it logged in to claude.ai or on
+    Vertex), is fixed, so that one conversation's requests share their prompt prefix."""
+    body, _, _ = recorded("request")
+    chat = chat_body(body)
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "system"]
+    assert chat["messages"][2]["content"] == body["messages"][1]["content"]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in chat["tools"]}
+    assert "propertyNames" in json.dumps(schemas["TaskCreate"])  # as sent; the grammar drops it (any dialect's)
+    assert "propertyNames" not in json.dumps(closed(schemas["TaskCreate"]))
+    odd = {"type": "object", "properties": {"propertyNames": {"type": "string"}, "m": {
+        "type": "object", "propertyNames": {"type": "string", "pattern": "^x"}, "enum": [{"propertyNames": {
+            "type": "string"}}]}}, "propertyNames": {"type": "string"}}
+    got = closed(odd)
+    assert "propertyNames" not in got and got["properties"]["propertyNames"] == {"type": "string"}
+    assert got["properties"]["m"]["propertyNames"] == {"type": "string", "pattern": "^x"}
+    assert got["properties"]["m"]["enum"] == odd["properties"]["m"]["enum"]
+    header = "x-anthropic-billing-header: cc_version=2.1.197.8a5; cc_entrypoint=cli; cch={};"
+    first, again = (chat_body({**body, "system": [{"type": "text", "text": header.format(cch)}, *body["system"][1:]]})
+                    ["messages"][0]["content"] for cch in ("a5145", "0c1d2"))
+    assert first == again and first.startswith("x-anthropic-billing-header: cc_version=2.1.197.8a5; "
+                                               "cc_entrypoint=cli; cch=fffff;You are a Claude agent")
 
 
 def test_loading_is_a_503_overloaded_error():

@@ -15,6 +15,7 @@ import importlib
 import json
 
 import httpx
+import jsonschema
 import pytest
 import torch
 
@@ -83,6 +84,12 @@ def test_every_suffix_route_generates_from_the_fim_prompt(coder):
         chunks = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
     assert "".join(c["content"] for c in chunks) == r["content"] and chunks[-1]["stop"]
     assert not any(c["stop"] for c in chunks[:-1])
+    # as GET /openapi.json describes them (the default model, with no FIM tokens, cannot show them there)
+    ok = httpx.get(base + "/openapi.json", timeout=60).json()["paths"]["/infill"]["post"]["responses"]["200"]["content"]
+    jsonschema.Draft202012Validator(ok["application/json"]["schema"]).validate(r)
+    event = jsonschema.Draft202012Validator(ok["text/event-stream"]["schema"]["properties"]["data"]["contentSchema"])
+    for c in chunks:
+        event.validate(c)
     ollama = httpx.post(base + "/api/generate", json={"model": "coder", "prompt": PREFIX, "suffix": SUFFIX,
                                                       "stream": False, "options": {"temperature": 0,
                                                                                    "num_predict": 12}},

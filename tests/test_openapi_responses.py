@@ -59,6 +59,13 @@ CASES = {
     "lowbit-version": ("GET", "/version", "/version", None),
     "rerank": ("POST", "/v1/rerank", "/v1/rerank", {"model": "{name}", "query": "Paris", "documents": ["a", "b"]}),
     "rerank-llama": ("POST", "/rerank", "/rerank", {"query": "Paris", "documents": [{"text": "a"}], "top_n": 1}),
+    "messages": ("POST", "/v1/messages", "/v1/messages",
+                 {"model": "{name}", "messages": ASK, "max_tokens": 8, "temperature": 0}),
+    "count-tokens": ("POST", "/v1/messages/count_tokens", "/v1/messages/count_tokens",
+                     {"model": "{name}", "messages": ASK, "system": "Be brief."}),
+    # unloaded, then loaded again at once: the tests after these find the model as they left it
+    "models-unload": ("POST", "/models/unload", "/models/unload", {"model": "{name}"}),
+    "models-load": ("POST", "/models/load", "/models/load", {"model": "{name}"}),
 }
 
 def _named(value, name: str):
@@ -122,7 +129,9 @@ def test_reply_matches_its_published_schema(case, doc, replies):
 def test_every_json_reply_schema_is_exercised_and_streams_stay_open(doc):
     described = {(m, p) for p, ops in doc["paths"].items() for m, op in ops.items()
                  if op["responses"]["200"]["content"].get("application/json", {}).get("schema")}
-    assert described == {(m.lower(), p) for m, _, p, _ in CASES.values()}
+    # /infill answers 400 on the default model, which has no FIM tokens: tests/test_fim_rerank.py checks
+    # its replies, JSON and streamed, against the schema on a model that has them
+    assert described - {("post", "/infill")} == {(m.lower(), p) for m, _, p, _ in CASES.values()}
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         assert ok_schema(doc, path, media="text/event-stream") == {}
     for path in ("/api/chat", "/api/generate"):
@@ -179,6 +188,10 @@ BROKEN = [  # (case, field, value): each breaks the documented shape
     ("ollama-chat-logprobs", "logprobs.0.token", 1), ("ollama-load", "done_reason", "stop"),
     ("generate", "context", DEL), ("generate", "response", 1), ("embed", "embeddings.0.0", "x"),
     ("ollama-embeddings", "embedding", "x"), ("version", "version", 12), ("pull", "status", "pulling"),
+    ("messages", "type", "completion"), ("messages", "role", "user"), ("messages", "stop_reason", None),
+    ("messages", "stop_reason", "stop"), ("messages", "stop_sequence", "x"), ("messages", "content.0.type", "image"),
+    ("messages", "content.0.text", None), ("messages", "usage.output_tokens", DEL), ("messages", "id", DEL),
+    ("count-tokens", "input_tokens", "3"), ("models-load", "success", "yes"), ("models-unload", "model", DEL),
 ]
 
 

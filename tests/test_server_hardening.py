@@ -142,6 +142,11 @@ def test_dns_rebinding_and_cross_site_posts_are_refused(server):
     assert r.status_code == 403
     r = httpx.post(base + "/v1/completions", content=body, headers=plain)
     assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    # each dialect's clients read the refusal in their own error shape: Anthropic's, Ollama's
+    r = httpx.post(base + "/v1/messages", content=body, headers=plain)
+    assert r.status_code == 415 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(base + "/api/chat", content=body, headers={**AUTH, "Host": "attacker.example:8000"})
+    assert r.status_code == 403 and "allowed-hosts" in r.json()["error"]
     # this machine's names and pages still work
     for host in ("localhost", "127.0.0.1", "[::1]"):
         r = httpx.post(base + "/v1/completions", content=body, headers={**AUTH, "Host": host})

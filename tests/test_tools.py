@@ -167,6 +167,7 @@ def test_tools_and_history_reach_the_template(hermes):
 
 def test_tool_mistakes_are_400s_naming_the_param(generic):
     bad = [({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+           ({"tools": [{"type": "function", "function": {"name": "get_weather\n"}}]}, "tools"),  # `$` passed it
            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools"),
            ({"tools": "f"}, "tools"),
            ({"tools": TOOLS + TOOLS[:1]}, "tools"),

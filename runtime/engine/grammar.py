@@ -200,6 +200,10 @@ def _closed(s: Any, same_object: bool) -> Any:
         if isinstance(s.get(k), list):
             out[k] = [_closed(b, same_object or obj or k == "allOf") for b in s[k]]
     out = {k: v for k, v in out.items() if k in s}
+    if out.get("propertyNames") == {"type": "string"}:
+        # says nothing (every JSON key is a string) and llguidance cannot compile it ("Unimplemented keys"):
+        # zod's records carry it (Claude Code's TaskCreate `metadata`), and left in, every such request is a 400
+        del out["propertyNames"]
     names = _names(s, ("anyOf", "oneOf", "allOf") if obj else ("allOf",))
     if same_object or not (obj or names) or "additionalProperties" in s or "unevaluatedProperties" in s:
         return out

@@ -238,7 +238,8 @@ def _nucleus_floor(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
         vals = probs[todo].topk(k, dim=-1).values  # [n, k], descending
         mass = vals.cumsum(-1)
         # a token is in the nucleus while the mass strictly before it is below top_p
-        kept = (mass - vals < need[todo].unsqueeze(1)).sum(-1, keepdim=True)  # >= 1: the first always
+        # >= 1: the first always, even for a top_p under fp32's least (1e-45), which is 0 here
+        kept = (mass - vals < need[todo].unsqueeze(1)).sum(-1, keepdim=True).clamp_min(1)
         done = (mass[:, -1] >= need[todo]) | (k == V)
         floor[todo[done]] = vals[done].gather(1, kept[done] - 1)
         todo = todo[~done]

@@ -10,8 +10,13 @@ The translation:
 - `system` (a string or text blocks) is the system message; `messages` hold text, `tool_use` (assistant),
   `tool_result` (user: each one a tool message, before the turn's text) and `thinking` blocks (the
   assistant's reasoning_content). A turn's text blocks are joined as the chat endpoint joins text parts.
-  `cache_control`, `metadata`, `service_tier` and the `anthropic-version` / `anthropic-beta` headers
-  are accepted and without effect (the engine reuses prompt prefixes by itself).
+  A message with role `system` among them (the `mid-conversation-system` beta, which Claude Code 2.1 uses
+  for its agent list after the first user turn) is a system message in its place, as the template renders it.
+  `cache_control`, `metadata`, `service_tier`, `context_management`, `output_config` (Claude Code's
+  `effort`) and the `anthropic-version` / `anthropic-beta` headers and `?beta=true` query are accepted and
+  without effect (the engine reuses prompt prefixes by itself).
+- tools' `input_schema` is the function's parameters (runtime/engine/grammar.py drops the no-op
+  `propertyNames: {"type": "string"}` of Claude Code's schemas, which the grammar library cannot compile).
 - `tool_choice` auto / any / tool / none → auto / required / the named function / none;
   `disable_parallel_tool_use` → parallel_tool_calls false.
 - `thinking` enabled / adaptive / disabled → the template's `enable_thinking` true / true / false;
@@ -52,7 +57,7 @@ from lowbit.runtime.server.sse import sse_response
 # the Messages fields passed on to the chat endpoint under the same names
 _PASSED = ("temperature", "top_p", "top_k", "stream")
 # accepted and without effect here
-_IGNORED = ("metadata", "service_tier", "container", "context_management", "inference_geo")
+_IGNORED = ("metadata", "service_tier", "container", "context_management", "inference_geo", "output_config")
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "mcp_servers",
                           "stop_sequences", *_PASSED, *_IGNORED})
 MESSAGES_FIELDS = COUNT_FIELDS | {"max_tokens"}
@@ -179,9 +184,11 @@ def _text(content, where: str, param: str = "messages") -> str:
         raise bad_request(f"{where} must be a string or a list of text blocks", param)
     out = []
     for j, b in enumerate(content):
-        if not (isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)):
-            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+        kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+        if kind != "text":
             raise bad_request(f"{where}[{j}]: only text blocks are supported here, not {kind!r}", param)
+        if not isinstance(b.get("text"), str):
+            raise bad_request(f"{where}[{j}].text must be a string", param)
         out.append(b["text"])
     return "".join(out)
 
@@ -198,9 +205,12 @@ def _messages(system, messages) -> list[dict]:
     names: dict[str, str] = {}  # tool_use id → the tool's name, for the tool messages
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad_request(f"{where}.role must be 'user' or 'assistant'", "messages")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise bad_request(f"{where}.role must be 'user', 'assistant' or 'system'", "messages")
         content = m.get("content")
+        if m["role"] == "system":
+            out.append({"role": "system", "content": _text(content, f"{where}.content")})
+            continue
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise bad_request(f"{where}.content must be a string or a list of content blocks", "messages")
@@ -219,7 +229,7 @@ def _block(b, where: str, allowed: tuple[str, ...]) -> str:
     kind = b.get("type") if isinstance(b, dict) else None
     if kind not in allowed:
         why = ("this server's models read text only" if kind in ("image", "document", "search_result")
-               else f"a {'user' if 'tool_result' in allowed else 'assistant'} turn holds {', '.join(allowed)}")
+               else f"{'a user' if 'tool_result' in allowed else 'an assistant'} turn holds {', '.join(allowed)}")
         raise bad_request(f"{where}: {kind!r} blocks are not supported here ({why})", "messages")
     return kind
 
@@ -295,11 +305,14 @@ def _tools(tools) -> list[dict]:
     return out
 
 
+# where a schema's keys are names (of properties, definitions) or its values data, not keywords
 def _tool_choice(choice) -> dict:
     """Anthropic tool_choice → the chat fields that say the same."""
     if choice is None:
         return {}
     kind = choice.get("type") if isinstance(choice, dict) else None
+    if not isinstance(kind, str):  # a list or an object is no key to look up (a 500 before: unhashable)
+        kind = None
     mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
     if kind == "tool":
         if not isinstance(choice.get("name"), str):

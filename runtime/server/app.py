@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from lowbit.runtime.server import anthropic_api, llama_server, ollama, openai, responses_api
+from lowbit.runtime.server.anthropic_reply import anthropic_error
 from lowbit.runtime.server.disconnect import CancelOnDisconnect
 from lowbit.runtime.server.errors import install_error_handlers
 from lowbit.runtime.server.frontend import Frontend, Served
@@ -41,7 +42,8 @@ def build_app(served: Served | None = None, api_key: str | None = None,
     origins = {"allow_origin_regex": LOCAL_ORIGINS} if cors_origins is None else {"allow_origins": cors_origins}
     app.add_middleware(CancelOnDisconnect)
     app.add_middleware(Guard, bind_host=bind_host, allowed_hosts=allowed_hosts, max_body=max_body,
-                       origin_allowed=origin_policy(LOCAL_ORIGINS, cors_origins))  # inside CORS: its refusals get CORS headers
+                       origin_allowed=origin_policy(LOCAL_ORIGINS, cors_origins),
+                       shapes=(("/v1/messages", anthropic_error), ("/api/", ollama.error_body)))  # inside CORS: its refusals get CORS headers
     app.add_middleware(CORSMiddleware, allow_methods=["*"], allow_headers=["*"], **origins)
     fe = app.state.lowbit = Frontend(api_key)
     if served is not None:

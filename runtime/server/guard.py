@@ -43,10 +43,11 @@ class _TooLarge(Exception):
 
 class Guard:
     def __init__(self, app, bind_host: str | None, allowed_hosts: list[str] | None, max_body: int,
-                 origin_allowed: Callable[[str], bool]):
+                 origin_allowed: Callable[[str], bool], shapes: tuple = ()):
         """bind_host: the address the server listens on (None: in-process, checks Host as loopback);
-        allowed_hosts: more Host names to answer (["*"]: any)."""
-        self.app, self.max_body, self.origin_allowed = app, max_body, origin_allowed
+        allowed_hosts: more Host names to answer (["*"]: any); shapes: (path prefix, APIError → body) for the
+        dialects whose clients parse errors of their own shape (Anthropic's, Ollama's); others get OpenAI's."""
+        self.app, self.max_body, self.origin_allowed, self.shapes = app, max_body, origin_allowed, shapes
         self.extra = {h.lower() for h in (allowed_hosts or [])}
         bound = bind_host or "127.0.0.1"
         # beyond loopback: clients reach us by names we cannot know (LAN names, addresses)
@@ -65,8 +66,9 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         refusal = self.check(scope["method"], headers)
+        shape = next((fn for prefix, fn in self.shapes if scope["path"].startswith(prefix)), APIError.body)
         if refusal is not None:
-            return await self.refuse(send, refusal)
+            return await self.refuse(send, refusal, shape)
         total, started = 0, False
 
         async def counted():
@@ -87,7 +89,7 @@ class Guard:
             await self.app(scope, counted, sending)
         except _TooLarge:
             if not started:
-                await self.refuse(send, self.too_large())
+                await self.refuse(send, self.too_large(), shape)
 
     def check(self, method: str, headers: dict[str, str]) -> APIError | None:
         if not self.host_ok(headers.get("host", "")):
@@ -113,8 +115,8 @@ class Guard:
                              "(see --max-body)", "invalid_request_error")
 
     @staticmethod
-    async def refuse(send, e: APIError) -> None:
-        body = json.dumps(e.body()).encode()
+    async def refuse(send, e: APIError, shape) -> None:
+        body = json.dumps(shape(e)).encode()
         await send({"type": "http.response.start", "status": e.status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

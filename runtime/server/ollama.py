@@ -71,11 +71,16 @@ _RENAMED = (("max_completion_tokens", "num_predict"), ("max_tokens", "num_predic
 _THINK_LEVELS = ("low", "medium", "high", "max")
 
 
-def _ollama_error(e: APIError) -> JSONResponse:
+def error_body(e: APIError) -> dict:
+    """Ollama's error: {"error": "..."}, in its words."""
     message = e.message
     for ours, theirs in _RENAMED:
         message = message.replace(ours, theirs)
-    return JSONResponse({"error": message}, status_code=e.status, headers=e.headers)
+    return {"error": message}
+
+
+def _ollama_error(e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
 
 
 public = APIRouter()  # what clients probe the port with, keyless as in Ollama

@@ -36,7 +36,7 @@ from lowbit.runtime.server.harmony import is_harmony
 from lowbit.runtime.server.qwen_xml import call_body, calls_grammar, is_qwen_xml
 
 FORMATS = ("hermes", "qwen3_xml", "llama3_json", "mistral", "harmony", "generic")
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule for function names
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for function names (fullmatch: `$` allows a final \n)
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def parse_tools(body: dict, template: str | None) -> ToolPlan | None:
             raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
         f = t["function"]
         name = f.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise bad_request(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-'", "tools")
         if name in seen:
             raise bad_request(f"tools[{i}].function.name {name!r} is defined twice", "tools")
