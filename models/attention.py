@@ -91,7 +91,8 @@ class PagedAttention:
         # both sides rotated (k8v4, k4v4): attend in the rotated space, as the CUDA kernels do —
         # q·k and p·v are unchanged by an orthonormal rotation, and rotating q and the output costs
         # a sequence's new rows where un-rotating its gathered cache cost 2 x context rows per layer
-        both = pool.fmt.k_bits < 16 and pool.fmt.v_bits < 16
+        # (in every layer: a pool of per-layer formats with a float side anywhere attends un-rotated)
+        both = all(f.k_bits < 16 and f.v_bits < 16 for f in pool.formats)
         self.rot = pool.rot if pool.rot is not None and both else None
         # sequences whose pages are read and dequantized together (one set of index and dequantize
         # ops per layer instead of ~20 per sequence); dequantizing is elementwise, so a sequence's

@@ -7,7 +7,8 @@ equals gguf.quants.dequantize bit for bit (tests/test_ggml_relayout.py, tests/te
     Q4_1  block 32, 20 bytes: d, m fp16, qs[16]  w[j] = d * (qs[j] & 15) + m,   w[j+16] = d * (qs[j] >> 4) + m
     Q8_0  block 32, 34 bytes: d fp16, qs[32] i8  w[j] = d * qs[j]
 
-are lowbit's int4/int8 layouts up to the order of codes in a block and move into them (relayout);
+are lowbit's int4/int8 layouts up to the order of codes in a block and move into them (relayout) and back
+(to_blocks, which `lowbit quantize` writes);
 Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS and MXFP4 (two-level scales, 5-bit codes,
 codebooks, MXFP4's E8M0 power-of-two scale: kernels/ggml_blocks.py) are kept as the file stores them
 (quant/ggml_block.py) and multiplied by kernels that read those blocks, or that read them repacked into
@@ -77,6 +78,18 @@ def to_float_tensor(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> torch.
     return torch.from_numpy(quants.dequantize(b, qtype).astype(np.float32, copy=False)).reshape(shape)
 
 
+def float_words(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> torch.Tensor:
+    """An F32 / F16 / BF16 tensor's bytes → a tensor of `shape` in that dtype, over `raw`'s own memory when it
+    is writeable (the loader's read buffer: nothing copied), else a copy (a view of the read-only file map).
+    Not through fp32: a BF16 8B's 805 MB output head took 1.6 GB more in transit that way, and the loader's
+    peak RSS was 1.14x its tensor bytes before the forward pass began (tests/bench/reference_rss.py)."""
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if not b.flags.writeable:
+        b = b.copy()
+    t = torch.from_numpy(b.view({T.F32: np.float32, T.F16: np.float16, T.BF16: np.int16}[qtype]))
+    return (t.view(torch.bfloat16) if qtype == T.BF16 else t).reshape(shape)  # numpy has no bf16: its 16-bit words
+
+
 def relayout(raw: np.ndarray, qtype: T, N: int, K: int) -> Weight:
     """Q4_0 / Q4_1 / Q8_0 bytes of an [N, K] matrix → the lowbit layout with identical values.
     (numpy for the byte shuffling: a few ms for the largest matrix of the default model.)"""
@@ -92,6 +105,31 @@ def relayout(raw: np.ndarray, qtype: T, N: int, K: int) -> Weight:
     codes = np.concatenate((qs & 0xF, qs >> 4), axis=-1).reshape(N, K)  # [N, K] in element order
     mins = torch.from_numpy(np.array(b[..., 2:4], copy=True).view(np.float16)[..., 0]) if qtype == T.Q4_1 else None
     return Int4Weight(spec, K, pack_nibbles(torch.from_numpy(codes)), d, mins)
+
+
+# relayout's inverse: the lowbit layouts GGUF has a block type for (`lowbit quantize` writes them)
+WRITES = MappingProxyType({spec: qtype for qtype, spec in RELAYOUT.items()})
+
+
+def to_blocks(w: Int4Weight | Int8Weight) -> np.ndarray:
+    """An int4-sym-g32 / int4-g32 / int8-g32 weight [N, K], K whole blocks of 32 → its Q4_0 / Q4_1 / Q8_0 bytes,
+    uint8 [N, K / 32 * block bytes], which `relayout` (and gguf.quants.dequantize) read back to the same values
+    bit for bit: the layouts keep fp16 scales and mins, as the blocks do, so nothing is rounded here."""
+    qtype = WRITES[w.spec]
+    N, K = w.shape
+    if K % 32:
+        raise ValueError(f"a {w.spec.name} matrix with rows of {K} is not whole {qtype.name} blocks of 32")
+    G = K // 32
+    scales = [w.scales, *([w.mins] if qtype == T.Q4_1 else [])]
+    if any(s.dtype != torch.float16 for s in scales):
+        raise ValueError(f"{qtype.name} blocks hold fp16 scales; this {w.spec.name} weight has {scales[0].dtype}")
+    parts = [s.numpy().view(np.uint8).reshape(N, G, 2) for s in scales]  # [N, G, 2] each: d (then m) of a block
+    if qtype == T.Q8_0:
+        parts.append(w.qweight.numpy().view(np.uint8).reshape(N, G, 32))  # [N, G, 32] int8 codes
+    else:
+        u = w.codes().numpy()[:, :K].reshape(N, G, 2, 16)  # [N, G, (elements 0-15, 16-31), 16]
+        parts.append(u[:, :, 0] | (u[:, :, 1] << 4))  # element j in the low nibble, j + 16 in the high one
+    return np.concatenate(parts, axis=-1).reshape(N, -1)
 
 
 class FileRelaid:
@@ -144,7 +182,7 @@ def load_matrix(raw: np.ndarray, qtype: T, N: int, K: int, target: WeightSpec | 
     want = native_spec(qtype) if target is None else target
     if want is None:  # float tensor under auto: keep its own precision
         return FloatWeight(WeightSpec(bits=16 if qtype != T.F32 else 32, float_dtype=str(FLOATS[qtype]).split(".")[1]),
-                           to_float_tensor(raw, qtype, (N, K)).to(FLOATS[qtype]))
+                           float_words(raw, qtype, (N, K)))
     if qtype in KEPT and KEPT[qtype] == want:
         return from_file(raw, int(qtype), N, K)
     if qtype in RELAYOUT and RELAYOUT[qtype] == want and K % 32 == 0:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lowbit.kernels.exact_mm import exact_linear, takes_exact
+from lowbit.kernels.exact_mm import exact_linear, in_tiles, takes_exact
 from lowbit.kernels.ggml_mm import GgmlPacked, ggml_mm, ggml_pack
 from lowbit.kernels.ggml_triton import GgmlTritonPacked, ggml_triton_mm, ggml_triton_pack, ggml_triton_rows
 from lowbit.kernels.int4_mm import Int4Packed, int4_mm, int4_pack, int4_packed_rows
@@ -96,10 +96,16 @@ def _cpu_matmul(x: torch.Tensor, w, exact: bool | None, out_dtype: torch.dtype |
 def _float_linear(x: torch.Tensor, w: FloatWeight, exact: bool | None) -> torch.Tensor:
     """Float weights multiply in their own dtype; exact=True in fp32 (an fp32 copy of the weight for
     this call only), so the exact path means the same on every backend: fp16 GEMMs round differently
-    on CPU and in cuBLAS (5e-4 on logits, measured on an H200)."""
+    on CPU and in cuBLAS (5e-4 on logits, measured on an H200). On CPU the copy is made a range of rows
+    at a time (in_tiles, as the quantized layouts' exact path): a whole BF16 8B head in fp32 was 805 MB
+    more at once (49K vocabulary; 2.1 GB at Llama-3's 128K), the step past 1.1x its tensor bytes of peak
+    RSS for `lowbit eval reference` (tests/bench/reference_rss.py). The ranges give the same bits as one
+    call (torch's fp32 GEMM, AMD EPYC, 1 and 2 threads, M 1 to 512: a row's sums do not depend on N)."""
     if exact:  # rows independent of how many share the call (kernels/exact_mm.py)
-        return exact_linear(x.float(), w.weight.float()) if x.device.type == "cpu" else \
-            torch.nn.functional.linear(x.float(), w.weight.float())
+        if x.device.type == "cpu":
+            xf, (N, K) = x.float(), w.shape
+            return in_tiles(N, K, lambda a, b: exact_linear(xf, w.weight[a:b].float()))
+        return torch.nn.functional.linear(x.float(), w.weight.float())
     return torch.nn.functional.linear(x.to(w.weight.dtype), w.weight)
 
 

@@ -273,7 +273,11 @@ def failures(bad_files, empty_models, default_models, work) -> dict:
 # ---- help -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sub, flags", [
-    ([], ["run", "pull", "models", "info"]),
+    ([], ["run", "pull", "models", "info", "eval", "quantize"]),
+    (["eval"], ["--reference", "--weights", "--kv", "{reference,plot}", "--attribute", "--attribute-windows"]),
+    (["eval", "reference"], ["--out", "--top-k", "--tail-draws", "--ctx", "--chunks"]),
+    (["quantize"], ["--weights", "--out"]),
+    (["chat"], ["--models", "--models-dir", "--memory", "--base-url"]),
     (["run"], ["--model", "--weights", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--system",
                "--raw", "--threads", "--device", "--dtype", "--kv-cache", "--kv-memory", "--speculative"]),
     (["pull"], ["model", "LOWBIT_MODELS"]),

@@ -12,7 +12,9 @@ slot each token gets, this module only stores and reads. Per layer and side (K, 
 A page's scales sit beside its codes (same leading index), so a page is freed or shared as a
 whole. A hybrid model's pool holds pages for its attention layers only (`n_layers` is theirs: Qwen3.5's
 one layer in four) and carries the recurrent-state slots of its other layers as `states`
-(runtime/engine/state_cache.py), counted in `nbytes`. Writing quantizes each token vector as it arrives (kernels/kv_quant.py); reading gathers a
+(runtime/engine/state_cache.py), counted in `nbytes`. A pool may give each layer its own format
+(`layer_formats`: `lowbit eval --attribute` quantizes one layer's K or V and keeps the rest f16); every
+side carries its own bits and group, and the one rotation is applied to the quantized sides only. Writing quantizes each token vector as it arrives (kernels/kv_quant.py); reading gathers a
 sequence's pages and dequantizes them (the CPU path; the CUDA path reads codes in-kernel).
 """
 
@@ -31,13 +33,19 @@ GIB = 1 << 30
 
 class KVPool:
     def __init__(self, fmt: KVFormat, n_layers: int, n_kv_heads: int, head_dim: int, num_pages: int,
-                 page_size: int = 16, device: torch.device | str = "cpu", states=None):
+                 page_size: int = 16, device: torch.device | str = "cpu", states=None,
+                 layer_formats: list[KVFormat] | None = None):
+        """layer_formats: one format per layer in place of `fmt`, which then only names the pool."""
         if num_pages < 1:
             raise ValueError("the KV pool needs at least one page")
+        if layer_formats is not None and len(layer_formats) != n_layers:
+            raise ValueError(f"KVPool: {len(layer_formats)} layer formats for {n_layers} layers")
         self.fmt, self.page_size, self.num_pages = fmt, page_size, num_pages
+        self.formats = list(layer_formats) if layer_formats is not None else [fmt] * n_layers
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
-        self.rot = rotation(head_dim, device) if fmt.rotates(head_dim) else None  # [D, D] orthonormal
-        self._sides = [{"k": self._alloc("k", device), "v": self._alloc("v", device)} for _ in range(n_layers)]
+        rotates = any(f.rotates(head_dim) for f in self.formats)
+        self.rot = rotation(head_dim, device) if rotates else None  # [D, D] orthonormal
+        self._sides = [{"k": self._alloc("k", device, f), "v": self._alloc("v", device, f)} for f in self.formats]
         self.states = states  # StateCache or None
 
     @classmethod
@@ -49,9 +57,9 @@ class KVPool:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page ({per_page} bytes each in {fmt.name})")
         return cls(fmt, n_layers, n_kv_heads, head_dim, int(pages), page_size, device, states)
 
-    def _alloc(self, name: Literal["k", "v"], device) -> KVSide:
+    def _alloc(self, name: Literal["k", "v"], device, fmt: KVFormat) -> KVSide:
         P, H, S, D = self.num_pages, self.n_kv_heads, self.page_size, self.head_dim
-        bits, group = self.fmt.side_bits(name), self.fmt.side_group(name, D)
+        bits, group = fmt.side_bits(name), fmt.side_group(name, D)
         if bits >= 16:  # f32, f16: the values themselves
             dtype = torch.float32 if bits == 32 else torch.float16
             return KVSide(bits, group, data=torch.zeros(P, H, S, D, dtype=dtype, device=device))

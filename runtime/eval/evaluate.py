@@ -56,17 +56,30 @@ class Row:
     top1_pct: float
     tokens: int
     decode_tps: float | None = None
+    # against a saved reference (runtime/eval/topk_kl.py): the candidate file, the tail's bound on the mean
+    # KL, llama-perplexity's KL percentiles and Δp (the next token's probability, candidate - reference)
+    model: str = ""
+    kl_tail_bound: float | None = None  # 2.58 standard errors of the tail's sampled share
+    kl_lower: float | None = None  # the top-k exact + the log-sum inequality's floor on the tail
+    kl_median: float | None = None
+    kl_p90: float | None = None
+    kl_p999: float | None = None
+    dp_mean: float | None = None
+    dp_rms: float | None = None
+    dp_p01: float | None = None
+    dp_p99: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 @torch.inference_mode()
-def window_logprobs(model, ids: list[int], kv: str) -> torch.Tensor:
+def window_logprobs(model, ids: list[int], kv: str | list) -> torch.Tensor:
     """log-softmax fp32 [T, V] of every position of one window, in one forward pass (as
-    llama-perplexity runs a window with n_batch >= n_ctx) through a paged pool of format `kv`: the
-    window's K/V are quantized on write and every position attends to the quantized cache. Pages are
-    handed out in reverse order, so nothing depends on them being contiguous.
+    llama-perplexity runs a window with n_batch >= n_ctx) through a paged pool of format `kv` (a name,
+    or one KVFormat per KV layer: runtime/eval/attribution.py): the window's K/V are quantized on write
+    and every position attends to the quantized cache. Pages are handed out in reverse order, so nothing
+    depends on them being contiguous.
 
     Why one pass: a quantized cache turns the last-bit differences between GEMM blockings into
     whole quantization steps (a code flips at a rounding boundary), so chunking a window changes the
@@ -76,8 +89,9 @@ def window_logprobs(model, ids: list[int], kv: str) -> torch.Tensor:
     T = len(ids)
     n_pages = -(-T // PAGE)
     states = StateCache(c, 1, model.device) if c.deltanet is not None else None  # a hybrid model's one slot
-    pool = KVPool(KV_FORMATS[kv], c.n_kv_layers, c.n_kv_heads, c.head_dim, num_pages=n_pages, page_size=PAGE,
-                  device=model.device, states=states)
+    named = isinstance(kv, str)
+    pool = KVPool(KV_FORMATS[kv if named else "f16"], c.n_kv_layers, c.n_kv_heads, c.head_dim, num_pages=n_pages,
+                  page_size=PAGE, device=model.device, states=states, layer_formats=None if named else list(kv))
     pages = list(range(n_pages))[::-1]
     slots = [pages[p // PAGE] * PAGE + p % PAGE for p in range(T)]
     logits = Runner(model, pool).run([Chunk(ids, 0, slots, pages, logits=T, state_slot=0)], exact=True)  # [T, V]

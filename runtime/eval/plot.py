@@ -32,7 +32,8 @@ def frontier(points: list[tuple[float, float]]) -> list[int]:
 
 
 def label(row: dict) -> str:
-    return f"{row['weights']} · {row['kv']}"
+    """weights · KV, after the file's name where rows come from several files (`--reference`)."""
+    return (f"{row['model']} " if row.get("model") else "") + f"{row['weights']} · {row['kv']}"
 
 
 def _labels(rows: list[dict], xs: list[float], ys: list[float], on: set[int]):

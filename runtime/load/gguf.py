@@ -85,6 +85,9 @@ class LazyWeights(Mapping):
             self._progress(int(name.split(".")[1]) + 1)
         return value
 
+    def __contains__(self, name) -> bool:  # Mapping's would read the tensor (the model asks `"output" in w`)
+        return name in self._make
+
     def __iter__(self):
         return iter(self._make)
 

@@ -136,6 +136,9 @@ class GGUFFile:
     path: Path
     version: int
     metadata: dict[str, Any]
+    # each key's value type and, for an array, its elements' (None otherwise): what a writer needs to copy a
+    # value as it was (a uint32 stays uint32: Python's int says nothing of its width)
+    value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]]
     tensors: list[TensorInfo]
     file_size: int
 
@@ -175,7 +178,7 @@ class GGUFFile:
         self.version = version
         n_tensors, n_kv = cur.u64(), cur.u64()
 
-        self.metadata = {}
+        self.metadata, self.value_types = {}, {}
         for i in range(n_kv):
             cur.where = f"metadata entry #{i}"
             key = cur.string()
@@ -185,7 +188,9 @@ class GGUFFile:
                 raise _Bad(f"duplicate metadata key {key!r}")
             if key == "general.alignment" and vtype != GGUFValueType.UINT32:
                 raise _Bad(f"general.alignment has value type {vtype}, expected uint32 (4)")
+            item = _U32.unpack_from(cur.buf, cur.off)[0] if vtype == GGUFValueType.ARRAY else None  # read again below
             self.metadata[key] = cur.value(vtype)
+            self.value_types[key] = (GGUFValueType(vtype), None if item is None else GGUFValueType(item))
 
         infos = []
         for i in range(n_tensors):

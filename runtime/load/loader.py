@@ -45,12 +45,13 @@ class LoadedModel:
 PROGRESS_DELAY_S = 2.0
 
 
-def _progress_bar(total: int, desc: str, enabled: bool):
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "layer"):
+    """→ (update(n done), close) of a tqdm bar on stderr that shows only once PROGRESS_DELAY_S have gone by."""
     if not enabled:
         return None, lambda: None
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc=desc, unit="layer", leave=False, file=sys.stderr, delay=PROGRESS_DELAY_S)
+    bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr, delay=PROGRESS_DELAY_S)
     return (lambda n: bar.update(n - bar.n)), bar.close
 
 
@@ -85,7 +86,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
             raise LowbitError(f"{path}: {e}") from None
         _check_fits(path, _hf_tensors(path), spec, backend, shard)
         n_layers = _hf_layers(path)
-        update, close = _progress_bar(n_layers, f"loading {path.name}", progress)
+        update, close = progress_bar(n_layers, f"loading {path.name}", progress)
         try:
             config, w, cfg = load_hf_dir(path, spec, update)
         except ValueError as e:  # a layout that cannot hold this model (e.g. bnb-nf4 on odd widths)
@@ -106,7 +107,7 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         meta = gguf.metadata
         arch = meta.get("general.architecture")
         # the bar runs while the model is built: its weights are read then, a layer at a time (load_gguf)
-        update, close = _progress_bar(int(meta.get(f"{arch}.block_count", 0) or 0), f"loading {path.name}", progress)
+        update, close = progress_bar(int(meta.get(f"{arch}.block_count", 0) or 0), f"loading {path.name}", progress)
         try:
             config, w, _ = load_gguf(gguf, spec, update, note=lambda s: print(f"lowbit: note: {s}", file=sys.stderr))
         except ValueError as e:
@@ -178,3 +179,65 @@ def _hf_layers(path: Path) -> int:
         return int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
     except (OSError, ValueError, KeyError):
         return 0
+
+
+def weight_elements(path: Path) -> int:
+    """Values in the checkpoint's tensors (a tied table once), from the file's headers: what bits per weight
+    divides by."""
+    if path.is_dir():
+        return sum(n for n, _, _ in _hf_tensors(path))
+    from lowbit.runtime.load.gguf_file import GGUFFile
+
+    return sum(t.n_elements for t in GGUFFile(path).tensors)
+
+
+def lossless_weights(path: Path) -> str:
+    """The layout that holds a checkpoint as stored: GGUF blocks relaid losslessly (`auto`), or a safetensors
+    checkpoint's own float dtype (its config's torch_dtype; bf16 when it names none): a reference's weights."""
+    import json
+
+    if not path.is_dir():
+        return "auto"
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return "bf16"
+    if isinstance(cfg.get("quantization_config"), dict):
+        return "auto"  # GPTQ/AWQ: kept as stored under any quantized layout
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+    return {"float32": "f32", "float16": "f16"}.get(str(dtype), "bf16")
+
+
+def read_weights(path: Path, weights: str) -> tuple[LlamaConfig, dict]:
+    """(config, weights by name) of a checkpoint at a layout, without building the model: `lowbit eval
+    --attribute` builds blocks from two layouts' weights. A GGUF's are read from the file and converted
+    each time one is asked for (runtime/load/gguf.py LazyWeights); a safetensors checkpoint's are all
+    converted here and held."""
+    try:
+        spec = None if weights == "auto" else parse_weights(weights)
+    except ValueError as e:
+        raise LowbitError(str(e)) from None
+    try:
+        if path.is_dir():
+            from lowbit.runtime.load.safetensors import load_hf_dir
+
+            config, w, _ = load_hf_dir(path, spec or parse_weights(DEFAULT_HF_WEIGHTS))
+        else:
+            from lowbit.runtime.load.gguf import load_gguf
+
+            config, w, _ = load_gguf(path, spec)
+    except ValueError as e:
+        raise LowbitError(f"{path}: {e}") from None
+    return config, w
+
+
+def read_tokenizer(path: Path) -> Tokenizer:
+    """The checkpoint's tokenizer alone (a GGUF's from its metadata, a directory's from its files)."""
+    try:
+        if path.is_dir():
+            return Tokenizer.from_hf_dir(path)
+        from lowbit.runtime.load.gguf_file import GGUFFile
+
+        return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+    except ValueError as e:
+        raise LowbitError(f"{path}: {e}") from None

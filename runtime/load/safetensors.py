@@ -1,9 +1,10 @@
 """Hugging Face checkpoint directory (config.json + *.safetensors) → (config, lowbit weights, config dict).
 
 Every family of models/families.py (its model_types; a multimodal wrapper's language model). Tensors
-are read one at a time through
-`safetensors.safe_open` (memory-mapped) and quantized to the target layout as they arrive, so the
-peak is the final weights plus one source tensor in fp32, never a full-precision copy of the model.
+are read one at a time (float ones by plain file reads at the offsets in each file's header, into memory
+of their own: `read_tensor`; the rest through `safetensors.safe_open`'s map) and quantized to the target
+layout as they arrive, so the peak is the final weights plus one source tensor in fp32, never a
+full-precision copy of the model.
 Every tensor's name and shape is checked against config.json before anything is converted, so a
 wrong or truncated checkpoint fails at once with one line naming file and tensor.
 
@@ -25,6 +26,7 @@ import dataclasses
 import json
 import math
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable
@@ -38,6 +40,7 @@ from lowbit.quant import WeightSpec, parse_weights, quantize_weight
 from lowbit.quant.dense import to_float
 from lowbit.quant.gptq import PackedSpec, dequantize, parse_quantization_config, to_lowbit
 from lowbit.runtime.errors import LowbitError
+from lowbit.runtime.load.gguf import LazyWeights
 
 INDEX_NAME = "model.safetensors.index.json"
 # lowbit name → HF name inside `model.layers.{i}.`
@@ -139,6 +142,49 @@ def _open_all(path: Path, files: list[Path], stack: ExitStack) -> dict[str, Any]
         for name in handle.keys():
             where[name] = (f, handle)
     return where
+
+
+READ_DTYPES = MappingProxyType({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16})
+
+
+def _entry(f: Path, name: str, headers: dict[Path, tuple[int, dict]]) -> tuple[int, dict]:
+    """(where file `f`'s tensor data starts, tensor `name`'s header entry: dtype, shape, data_offsets)."""
+    if f not in headers:
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                headers[f] = (8 + n, json.loads(fh.read(n)))
+        except (OSError, ValueError) as e:
+            raise LowbitError(f"{f}: cannot read the safetensors header: {e}") from None
+    return headers[f][0], headers[f][1][name]
+
+
+def read_tensor(f: Path, name: str, headers: dict[Path, tuple[int, dict]]) -> torch.Tensor | None:
+    """A F32 / F16 / BF16 tensor of file `f`, read into memory of its own (None for another dtype: then
+    safe_open's). Not through safe_open's map: its tensors are views of the file mapped whole, and every page
+    a load reads stays in the process's resident memory while any tensor of that file is held — a BF16 8B
+    (16.06 GB of tensors) showed 9.3 GB of file pages beside 9.3 GB of its own after the load, q/k/v and
+    gate/up read from the map and fused into copies, the rest held on the map, and 19.9 GB of peak RSS for
+    `lowbit eval reference` (tests/bench/reference_rss.py). `headers`: each file's (data start, header),
+    read once."""
+    start, entry = _entry(f, name, headers)
+    dtype = READ_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        return None
+    begin, end = entry["data_offsets"]
+    out = torch.empty(end - begin, dtype=torch.uint8)
+    view, got = memoryview(out.numpy()), 0
+    try:
+        with open(f, "rb", buffering=0) as fh:
+            fh.seek(start + begin)
+            while got < end - begin:
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise LowbitError(f"{f}: truncated file: tensor {name} ends at byte {start + end}")
+                got += n
+    except OSError as e:
+        raise LowbitError(f"{f}: cannot read tensor {name}: {e.strerror or e}") from None
+    return out.view(dtype).reshape(entry["shape"])  # safetensors is little-endian, as the CPUs lowbit runs on
 
 
 def load_hf_dir(path: Path, target: WeightSpec,
@@ -365,42 +411,65 @@ def _check_packed(path: Path, module: str, shape: tuple[int, int], where: dict, 
 
 
 def _convert(c: LlamaConfig, plan, where: dict, target: WeightSpec, progress,
-             packed: PackedSpec | None = None) -> dict[str, Any]:
+             packed: PackedSpec | None = None) -> LazyWeights:
+    """→ the weights by name. A float matrix under a float target is read only when the model asks for it
+    (LazyWeights, as a GGUF's): the model fuses q/k/v and gate/up into copies of their own as it is built,
+    and every tensor read up front beside them held a BF16 8B (16.06 GB) and 9 GB of fused copies at once.
+    Everything else (quantized on arrival, vectors, experts, pre-quantized modules) is read and converted here."""
     # Embedding and LM head: int8-g32 when the target is quantized (int4 or int8) — they are a large
     # share of a small model's bytes but set the quality of every logit — else the float target.
     head_spec = parse_weights("int8-g32") if target.quantized else target
-    weights: dict[str, Any] = {}
+    weights: dict[str, Callable[[], Any]] = {}
+    headers: dict[Path, tuple[int, dict]] = {}  # read_tensor's, per file
     layer_of = [int(n.split(".")[1]) if n.startswith("layers.") else None for n, _, _, _, _ in plan]
     plus_one = c.family.norm_plus_one  # Gemma's norms multiply by (1 + w): the model multiplies by what it holds
     for j, (lname, name, shape, kind, rows) in enumerate(plan):
         if kind == "packed":
-            weights[lname] = _relay(name, shape, where, target, packed)
+            weights[lname] = _held(_relay(name, shape, where, target, packed))
             _progress(progress, layer_of, j)
             continue
         f, handle = where[name]
+        spec = head_spec if kind == "head" else target
+        if kind in ("matrix", "head") and not spec.quantized and _entry(f, name, headers)[1]["dtype"] in READ_DTYPES:
+            weights[lname] = partial(_read_float, f, name, rows, spec, headers)
+            _progress(progress, layer_of, j)
+            continue
         if kind == "expert":  # one expert's matrix or bias, of a 3-D (2-D) tensor: read that slice only
             e, take = rows
             t, rows = take(handle.get_slice(name)[e]).contiguous(), None
             kind = "vector" if t.dim() == 1 else "matrix"
-        else:
-            t = handle.get_tensor(name)  # source dtype (bf16/fp16/fp32); the quantizer takes it as is
+        else:  # source dtype (bf16/fp16/fp32); the quantizer takes it as is
+            t = read_tensor(f, name, headers)
+            t = handle.get_tensor(name) if t is None else t
         if not t.is_floating_point():
             raise LowbitError(f"{f}: tensor {name} has dtype {t.dtype}, expected a float tensor")
         if rows is not None:
             t = t[rows]
         if kind == "router":  # tiny (E x dim) and it decides which experts run: kept as stored
-            weights[lname] = to_float(t, parse_weights("f32"))
+            value = to_float(t, parse_weights("f32"))
         elif kind == "norm" and plus_one:
-            weights[lname] = (1.0 + t.float()).contiguous()  # transformers: output * (1.0 + weight.float())
+            value = (1.0 + t.float()).contiguous()  # transformers: output * (1.0 + weight.float())
         elif kind in ("vector", "norm"):
-            weights[lname] = t.float().contiguous()
+            value = t.float().contiguous()
         elif kind == "neg_exp":  # transformers: -self.A_log.float().exp()
-            weights[lname] = -t.float().exp()
+            value = -t.float().exp()
         else:
-            weights[lname] = quantize_weight(t, head_spec if kind == "head" else target)
-        del t
+            value = quantize_weight(t, spec)
+        weights[lname] = _held(value)
+        del t, value
         _progress(progress, layer_of, j)
-    return weights
+    return LazyWeights(weights, None)
+
+
+def _held(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def _read_float(f: Path, name: str, rows: torch.Tensor | None, spec: WeightSpec,
+                headers: dict[Path, tuple[int, dict]]):
+    """A float matrix (its `rows`, None: all) of file `f` in float layout `spec`, read now."""
+    t = read_tensor(f, name, headers)
+    return quantize_weight(t if rows is None else t[rows], spec)
 
 
 def _progress(progress, layer_of: list, j: int) -> None:
