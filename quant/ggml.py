@@ -81,8 +81,9 @@ def to_float_tensor(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> torch.
 def float_words(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> torch.Tensor:
     """An F32 / F16 / BF16 tensor's bytes → a tensor of `shape` in that dtype, over `raw`'s own memory when it
     is writeable (the loader's read buffer: nothing copied), else a copy (a view of the read-only file map).
-    Not through fp32: a BF16 8B's 805 MB output head took 1.6 GB more in transit that way, and the loader's
-    peak RSS was 1.14x its tensor bytes before the forward pass began (tests/bench/reference_rss.py)."""
+    Not through fp32: each matrix was copied twice more on the way (its words, then fp32: 1.2 GB in transit for
+    a BF16 8B's 403 MB head), and that load's peak RSS was 1.14x its tensor bytes before the forward pass began
+    (tests/bench/reference_rss.py)."""
     b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
     if not b.flags.writeable:
         b = b.copy()

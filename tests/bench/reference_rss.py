@@ -17,15 +17,16 @@ ru_maxrss (os.wait4: the child alone). Tensor bytes: the GGUF's tensor data, the
 Measured on an AMD EPYC (`lscpu`: "AMD EPYC", 2 cores, 24 GiB, torch 2.13 CPU), --ctx 512 --chunks 1:
 
     model                 tensor bytes   peak RSS    ratio    wall
-    8b-shapes.BF16.gguf   14.77 GB       15.42 GB    1.044x   4:10
-    8b-shapes-hf-bf16     16.06 GB       17.10 GB    1.064x   2:52
+    8b-shapes.BF16.gguf   14.77 GB       15.42 GB    1.044x   158 s
+    8b-shapes-hf-bf16     16.06 GB       17.09 GB    1.064x   167 s
 
-Before what made them so: 17.49 GB (1.184x) and 19.92 GB (1.240x). The GGUF's BF16 matrices went through fp32
-as they were loaded (quant/ggml.py float_words), the exact path made an fp32 copy of each whole float weight
-per call (the 49K head: 805 MB at once; quant/linear.py _float_linear now goes a range of rows at a time), and
-glibc kept 0.6 GB of freed blocks in its heap (runtime/cli/eval.py _heap_to_system); the safetensors loader read
-through safe_open's map, whose pages stayed resident beside the copies made from them (runtime/load/safetensors.py
-read_tensor, and its float matrices read as the model asks for them).
+Before what made them so: 17.49 GB (1.184x, 201 s) and 19.92 GB (1.240x, with the first three already in). The
+GGUF's BF16 matrices went through fp32 as they were loaded (quant/ggml.py float_words), the exact path made an
+fp32 copy of each whole float weight per call (the 49K head: 805 MB at once; quant/linear.py _float_linear now
+goes a range of rows at a time), and glibc kept 0.6 GB of freed blocks in its heap (runtime/cli/eval.py
+_heap_to_system); the safetensors loader read through safe_open's map, whose pages stayed resident beside the
+copies made from them (runtime/load/safetensors.py read_tensor, and its float matrices read as the model asks for
+them).
 """
 
 from __future__ import annotations
