@@ -110,7 +110,7 @@ def test_a_pool_of_per_layer_formats_quantizes_only_its_one_side(cut):
         Runner(model, pool).run([Chunk(ids, 0, list(range(48)), [0, 1, 2], logits=48)], exact=True)
         return pool
 
-    mixed, k4v4, f16 = run("f16", side_alone(model, KV_FORMATS["k4v4"], 0, "K")), run("k4v4"), run("f16")
+    mixed, k4v4, f16 = run("f16", side_alone(config, KV_FORMATS["k4v4"], 0, "K")), run("k4v4"), run("f16")
     assert mixed.rot is not None and mixed.side(0, "k").bits == 4 and mixed.side(0, "v").bits == 16
     for t in ("codes", "scales", "mins"):
         assert torch.equal(getattr(mixed.side(0, "k"), t), getattr(k4v4.side(0, "k"), t))
@@ -127,6 +127,12 @@ def test_kv_sides_alone_at_k4v4(cut, capsys):
                  "--attribute-out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert sorted((p["layer"], p["kind"]) for p in doc["parts"]) == [(0, "K"), (0, "V"), (1, "K"), (1, "V")]
+    # the oracle: the whole model run over a pool with that one side quantized (no replayed layers)
+    config, ref_w = read_weights(src, "auto")
+    model = Llama(config, ref_w, select_backend("auto", "float16")).eval()
+    oracle = score(read(ref), model, [side_alone(config, KV_FORMATS["k4v4"], 1, "V")])[0]["kl_mean"]
+    row = next(p for p in doc["parts"] if (p["layer"], p["kind"]) == (1, "V"))
+    assert row["kl_mean"] == pytest.approx(oracle, abs=1e-9)
     # 3 KV heads x (f16's 128 bytes - 4 bits' 32 + scale and min per 32: 40) per side and token
     assert all(p["bytes_saved"] == 3 * (128 - 40) and 0 < p["kl_mean"] < doc["whole"]["kl_mean"] for p in doc["parts"])
     assert "| KV side | layer |" in capsys.readouterr().out
@@ -153,7 +159,8 @@ def test_refusals_are_one_line(cut, tmp_path, capsys):
     refused(["--reference", str(ref), str(src), "--weights", "int8,int4-g128", "--attribute"], "one candidate")
     refused(["--reference", str(ref), str(src), "--kv", "f16,k8v4", "--attribute"], "one candidate")
     refused(["--model", str(src), "--weights", "int8", "--attribute"], "--attribute needs --reference")
-    refused(["--reference", str(ref), str(src), "--weights", "int8", "--attribute-out", "a.json"], "go with --attribute")
+    refused(["--reference", str(ref), str(src), "--weights", "int8", "--attribute-out", "a.json"],
+            "go with --attribute")
     refused(["--reference", str(ref), str(src), "--attribute"], "nothing to attribute")
     refused(["--reference", str(ref), str(src), "--weights", "int8", "--attribute", "--attribute-windows", "0"],
             "--attribute-windows must be >= 1")

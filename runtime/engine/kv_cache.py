@@ -14,8 +14,9 @@ whole. A hybrid model's pool holds pages for its attention layers only (`n_layer
 one layer in four) and carries the recurrent-state slots of its other layers as `states`
 (runtime/engine/state_cache.py), counted in `nbytes`. A pool may give each layer its own format
 (`layer_formats`: `lowbit eval --attribute` quantizes one layer's K or V and keeps the rest f16); every
-side carries its own bits and group, and the one rotation is applied to the quantized sides only. Writing quantizes each token vector as it arrives (kernels/kv_quant.py); reading gathers a
-sequence's pages and dequantizes them (the CPU path; the CUDA path reads codes in-kernel).
+side carries its own bits and group, and the one rotation is applied to the quantized sides only.
+Writing quantizes each token vector as it arrives (kernels/kv_quant.py); reading gathers a sequence's
+pages and dequantizes them (the CPU path; the CUDA path reads codes in-kernel).
 """
 
 from __future__ import annotations

@@ -6,21 +6,25 @@ whole candidate's KL (every tensor at L, KV at F) and the sum of the parts.
 
 Each row is a measurement, not an estimate: a tensor's KL is that of the model with that one tensor
 quantized, scored like any candidate, so the most sensitive tensors listed are confirmed by quantizing them
-alone by construction (tests/test_eval_attribution.py holds two rows against models built whole with that
-one tensor at L). The rows are first order: they add up to the whole candidate's KL only as far as the
-errors do not interact. On the default model at int4-g128 the 210 tensors' KLs sum to 1.10x the whole
-model's (see docs/quality.md, "Where the error comes from").
+alone by construction (tests/test_eval_attribution.py holds rows against models built whole with that one
+tensor at L). The rows are first order: they add up to the whole candidate's KL only as far as the errors
+do not interact. On the default model at int4-g128 (4 windows of 512) the 210 tensors' KLs sum to 0.75x the
+whole model's (0.360 of 0.478: together they cost more than apart); at k4v4 the 60 KV sides' to 1.09x
+(docs/quality.md, "Where the error comes from").
 
-How: the reference-layout model is built once; a tensor of layer i rebuilds block i alone from the two
-layouts' weights (a GGUF's are read from the file as each is asked for: runtime/load/gguf.py LazyWeights),
-which stands in the model's layer list for its scoring and is then put back. A block is self-contained: its
-KV layer, rotary table and window are its own arguments; the exact path the scoring takes does not use the
-model's one-call C decode (`fused_layers`, built over the original blocks), which is set aside during a swap
-all the same. Tensors outside the blocks (an embedding table or LM head a float layout changes) rebuild the
-model. A KV side is a pool whose layers have their own formats (runtime/engine/kv_cache.py layer_formats).
+How: the reference-layout model is built once and run over a window once, each block's output kept. A
+tensor of layer i rebuilds block i alone from the two layouts' weights (a GGUF's are read from the file as
+each is asked for: runtime/load/gguf.py LazyWeights), which stands in the model's layer list while the
+blocks before it replay their kept outputs (the same inputs give the same numbers, and only layers i.. are
+run: half the blocks on average); then the original blocks are put back. A block is self-contained: its
+KV layer, rotary table and window are its own arguments, and each block reads only its own KV layer; the
+exact path the scoring takes does not use the model's one-call C decode (`fused_layers`, built over the
+original blocks), which is set aside during a swap all the same. Tensors outside the blocks (an embedding
+table or LM head a float layout changes) rebuild the model. A KV side is a pool whose layers have their own
+formats (runtime/engine/kv_cache.py layer_formats).
 
-Cost: one scoring per part, ~7 s per 512-token window for SmolLM2-135M on 2 busy CPU cores: 30 layers x 7
-matrices = 210 parts, 25 minutes a window; `--attribute-windows` bounds the windows.
+Cost: one scoring per part and window: 210 x 4 windows of 512 for SmolLM2-135M took 22 min on 2 CPU cores
+shared with other jobs, one window 3 min on them alone; `--attribute-windows` bounds the windows.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ import torch
 from lowbit.models.llama import Block, Llama
 from lowbit.quant.kv import KV_FORMATS, KVFormat
 from lowbit.runtime.eval.candidates import score
+from lowbit.runtime.eval.evaluate import window_logprobs
 from lowbit.runtime.eval.heatmap import SIDES
 from lowbit.runtime.eval.reference import ROWS, SavedReference
+from lowbit.runtime.eval.topk_kl import TopkScores
 
 _EXPERT = re.compile(r"experts\.\d+\.")  # a mixture's E experts of one kind are one GGUF tensor: one part
 
@@ -127,14 +133,13 @@ def weight_parts(ref_w: Mapping, cand_w: Mapping) -> tuple[list[Part], list[str]
                      "table and LM head at the file's precision): not attributed")
     inside = len(same) - len(outside)
     if inside:
-        notes.append(f"{inside} matrices inside the blocks hold the same layout in both (e.g. MoE routers): "
-                     "not attributed")
+        notes.append(f"{inside} matrices inside the blocks are held alike in both layouts (a router, or a tensor "
+                     "the file already stores in the candidate's layout): not attributed")
     return parts, notes
 
 
-def kv_parts(model, fmt: KVFormat) -> list[Part]:
-    """Each attention layer's K and V sides, in the model's order."""
-    c = model.config
+def kv_parts(c, fmt: KVFormat) -> list[Part]:
+    """Each attention layer's K and V sides (c: the model's config), in the model's order."""
     f16 = KV_FORMATS["f16"]
     out = []
     for layer in c.attention_layers:
@@ -145,9 +150,9 @@ def kv_parts(model, fmt: KVFormat) -> list[Part]:
     return out
 
 
-def side_alone(model, fmt: KVFormat, layer: int, side: str) -> list[KVFormat]:
-    """One format per KV layer: f16 everywhere but `side` ("K" | "V") of model layer `layer`, at fmt's bits."""
-    c = model.config
+def side_alone(c, fmt: KVFormat, layer: int, side: str) -> list[KVFormat]:
+    """One format per KV layer (c: the model's config): f16 everywhere but `side` ("K" | "V") of model layer
+    `layer`, at fmt's bits."""
     f16 = KV_FORMATS["f16"]
     one = KVFormat(f"{fmt.name}:{side}", fmt.k_bits if side == "K" else 16, fmt.v_bits if side == "V" else 16,
                    fmt.k_group if side == "K" else 0, fmt.v_group if side == "V" else 0, fmt.rotate)
@@ -158,19 +163,56 @@ def block(model: Llama, layer: int, weights: Mapping) -> Block:
     """Block `layer` of `model` built anew from `weights`, as Llama.__init__ builds it."""
     c = model.config
     with torch.no_grad():
-        return Block(c, weights, f"layers.{layer}.", model.backend, None, layer, model.rope_kinds.index(c.rope_of(layer)))
+        return Block(c, weights, f"layers.{layer}.", model.backend, None, layer,
+                     model.rope_kinds.index(c.rope_of(layer)))
+
+
+class _Record(torch.nn.Module):
+    """A block whose outputs (delta, residual) this pass are kept, as copies: the next block adds into the
+    residual in place."""
+
+    def __init__(self, block: Block, into: list):
+        super().__init__()
+        self.block, self.into, self.sinks = block, into, block.sinks
+
+    def forward(self, *args, **kwargs):
+        out = self.block(*args, **kwargs)
+        self.into.append(tuple(t.clone() for t in out))
+        return out
+
+
+class _Replay(torch.nn.Module):
+    """Stands in for a block before the one measured: its recorded outputs for this window, as copies. Its KV
+    layer is left unwritten, which no later block reads (each reads its own)."""
+
+    def __init__(self, out: tuple, sinks):
+        super().__init__()
+        self.out, self.sinks = out, sinks  # sinks: read by Llama.forward_paged per KV layer (gpt-oss)
+
+    def forward(self, *args, **kwargs):
+        return tuple(t.clone() for t in self.out)
 
 
 @contextmanager
-def swapped(model: Llama, layer: int, new: Block):
-    """`new` in place of block `layer` for the duration; the step-level C decode (built over the original
-    blocks) set aside."""
-    old, fused = model.layers[layer], model.fused_layers
-    model.layers[layer], model.fused_layers = new, None
+def _layers(model: Llama, stand_ins: dict[int, torch.nn.Module]):
+    """Modules in place of some blocks for the duration (the step-level C decode, built over the original
+    blocks, set aside)."""
+    old = {i: model.layers[i] for i in stand_ins}
+    fused = model.fused_layers
+    for i, m in stand_ins.items():
+        model.layers[i] = m
+    model.fused_layers = None
     try:
         yield model
     finally:
-        model.layers[layer], model.fused_layers = old, fused
+        for i, m in old.items():
+            model.layers[i] = m
+        model.fused_layers = fused
+
+
+def swapped(model: Llama, layer: int, new: Block):
+    """`new` in place of block `layer` for the duration."""
+    return _layers(model, {layer: new})
 
 
 def held(module: torch.nn.Module) -> int:
@@ -181,50 +223,65 @@ def held(module: torch.nn.Module) -> int:
 def attribute(saved: SavedReference, config, ref_w: Mapping, cand_w: Mapping, backend, kv: KVFormat | None = None,
               progress: Callable[[int], object] | None = None) -> Attribution:
     """ref_w, cand_w: the model's weights at the reference's layout and at the candidate's (runtime/load/loader.py
-    read_weights); kv: the candidate's KV format (None: f16, weights only). progress(total) → a tqdm-like bar
-    updated once per scoring (the whole, the baseline, each part), or None."""
-    parts, notes = weight_parts(ref_w, cand_w)
-    kv_name = "f16" if kv is None else kv.name
-    bar = progress(len(parts) + (2 * config.n_kv_layers if kv is not None and kv.name != "f16" else 0) + 2) \
-        if progress else None
+    read_weights; the same object: KV sides only); kv: the candidate's KV format (None: f16, weights only).
+    progress(total) → a tqdm-like bar updated once per window scored (each part's, the whole's, the
+    baseline's), or None.
 
-    def scored(model, kvs) -> dict:
-        s = score(saved, model, [kvs])[0]
-        if bar is not None:
-            bar.update(1)
-        return s
-
+    A block's parts are measured window by window: the reference-layout model runs the window once, each block's
+    outputs kept, and a part of layer i then runs layers i.. only, the blocks before it replaying their outputs
+    (exactly what they compute: the same inputs). On the default model a part's window then takes 0.86 s on
+    average (3 min 2 s for 212 on 2 quiet cores), a whole pass ~1.4 s."""
+    parts, notes = weight_parts(ref_w, cand_w) if cand_w is not ref_w else ([], [])
+    sides = kv_parts(config, kv) if kv is not None and (kv.k_bits < 16 or kv.v_bits < 16) else []
+    W, half = saved.ids.shape[0], saved.ctx // 2
+    bar = progress(W * (len(parts) + len(sides) + 2)) if progress else None
     try:
         with torch.no_grad():
             cand = Llama(config, cand_w, backend).eval()
-        whole = scored(cand, kv_name)
+        whole = score(saved, cand, ["f16" if kv is None else kv.name], bar)[0]
         del cand
         gc.collect()  # before the reference model: the peak is one model
         with torch.no_grad():
             model = Llama(config, ref_w, backend).eval()
-        baseline = scored(model, "f16")
-        for p in parts:
-            if p.layer is None:  # outside the blocks: the model built anew
-                with torch.no_grad():
-                    other = Llama(config, Mixed(ref_w, cand_w, p.keys), backend).eval()
-                s, p.bytes_saved = scored(other, "f16"), held(model) - held(other)
-                del other
-            else:
-                new = block(model, p.layer, Mixed(ref_w, cand_w, p.keys))
-                p.bytes_saved = held(model.layers[p.layer]) - held(new)
-                with swapped(model, p.layer, new):
-                    s = scored(model, "f16")
-                del new
+        for p in (p for p in parts if p.layer is None):  # outside the blocks: a model of its own
+            with torch.no_grad():
+                other = Llama(config, Mixed(ref_w, cand_w, p.keys), backend).eval()
+            s, p.bytes_saved = score(saved, other, ["f16"], bar)[0], held(model) - held(other)
             p.kl_mean, p.kl_tail_bound = s["kl_mean"], s["kl_tail_bound"]
-        if kv is not None and kv.name != "f16":
-            for p in (sides := kv_parts(model, kv)):
-                s = scored(model, side_alone(model, kv, p.layer, p.kind))
-                p.kl_mean, p.kl_tail_bound = s["kl_mean"], s["kl_tail_bound"]
-            parts += sides
+            del other
+        inside = [p for p in parts if p.layer is not None] + sides
+        stats, base = {p.name: TopkScores() for p in inside}, TopkScores()
+        for w in range(W):
+            ids, rows = saved.window(w)
+            targets = torch.tensor(ids[half:], dtype=torch.long)
+            outs: list[tuple] = []  # each block's (delta, residual) on this window
+            with _layers(model, {i: _Record(b, outs) for i, b in enumerate(model.layers)}):
+                base.add(rows, window_logprobs(model, ids, "f16")[half - 1:-1], targets)
+            for p in inside:
+                before = {i: _Replay(outs[i], model.layers[i].sinks) for i in range(p.layer)}
+                if p.kind in SIDES:
+                    with _layers(model, before):
+                        lp = window_logprobs(model, ids, side_alone(config, kv, p.layer, p.kind))
+                else:
+                    new = block(model, p.layer, Mixed(ref_w, cand_w, p.keys))
+                    p.bytes_saved = held(model.layers[p.layer]) - held(new)
+                    with _layers(model, {**before, p.layer: new}):
+                        lp = window_logprobs(model, ids, "f16")
+                    del new
+                stats[p.name].add(rows, lp[half - 1:-1], targets)
+                if bar is not None:
+                    bar.update(1)
+            del outs
+            if bar is not None:
+                bar.update(1)
+        for p in inside:
+            s = stats[p.name].summary()
+            p.kl_mean, p.kl_tail_bound = s["kl_mean"], s["kl_tail_bound"]
+        baseline = base.summary()
     finally:
         if bar is not None:
             bar.close()
-    return Attribution(parts, whole, baseline, notes)
+    return Attribution(parts + sides, whole, baseline, notes)
 
 
 def table(att: Attribution, top: int | None = None) -> str:
@@ -245,8 +302,8 @@ def table(att: Attribution, top: int | None = None) -> str:
         if top is not None and len(weights) > top:
             out.append(f"\n({len(weights) - top} more tensors: --attribute-out keeps every row)")
     if sides:
-        out.append(("\n" if out else "") + "| KV side | layer | KL alone (± tail) | share of sum % | bytes/token saved |"
-                   "\n|---|---:|---:|---:|---:|")
+        out.append(("\n" if out else "") + "| KV side | layer | KL alone (± tail) | share of sum % | "
+                   "bytes/token saved |\n|---|---:|---:|---:|---:|")
         for p in sides[:top]:
             out.append(f"| {p.kind} | {p.layer} | {p.kl_mean:.2e} ± {p.kl_tail_bound:.0e} | {share(p)} | "
                        f"{p.bytes_saved:,} |")
@@ -254,9 +311,9 @@ def table(att: Attribution, top: int | None = None) -> str:
             out.append(f"\n({len(sides) - top} more sides: --attribute-out keeps every row)")
     w = att.whole
     ratio = f" ({total / w['kl_mean']:.2f}x the whole)" if w["kl_mean"] > 0 else ""
-    out.append(f"\nWhole candidate: KL {w['kl_mean']:.5f} ± {w['kl_tail_bound']:.1e}, same top-1 {w['top1_pct']:.2f}%; "
-               f"sum of the {len(att.parts)} parts' KLs: {total:.5f}{ratio} — first order: the parts add up only as "
-               "far as their errors do not interact.")
+    out.append(f"\nWhole candidate: KL {w['kl_mean']:.5f} ± {w['kl_tail_bound']:.1e}, "
+               f"same top-1 {w['top1_pct']:.2f}%; sum of the {len(att.parts)} parts' KLs: {total:.5f}{ratio} — "
+               "first order: the parts add up only as far as their errors do not interact.")
     if att.baseline["kl_mean"] != 0:
         out.append(f"Note: the reference-layout model itself scores KL {att.baseline['kl_mean']:.2e} against the "
                    "reference (it was not made from this file at this layout, or on another device): every row "

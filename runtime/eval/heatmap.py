@@ -11,6 +11,7 @@ log scale and is drawn grey. A kind a layer does not have (a hybrid's recurrent 
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 KINDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # a dense block's, in the order it uses them
@@ -45,7 +46,9 @@ def heatmap(parts: list[dict], out: Path, title: str = "") -> None:
             grid[r, c] = math.log10(p["kl_mean"])
         else:
             nonpos[r, c] = True
-    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(cols), 1.5 + 0.25 * len(rows)))
+    # a column per kind, but wide enough for the title (two KV columns alone would clip it)
+    width = max(6.5, 1.0 + 0.9 * len(cols))
+    fig, ax = plt.subplots(figsize=(width, 1.5 + 0.25 * len(rows)))
     ax.imshow(np.where(nonpos, 1.0, np.nan), cmap="Greys", vmin=0, vmax=4, aspect="auto", interpolation="nearest")
     im = ax.imshow(grid, cmap="magma_r", aspect="auto", interpolation="nearest")
     ax.set_xticks(range(len(cols)), cols)
@@ -55,7 +58,7 @@ def heatmap(parts: list[dict], out: Path, title: str = "") -> None:
     ax.tick_params(axis="x", labelrotation=45)
     fig.colorbar(im, ax=ax, label="log10 KL alone" + ("; grey: <= 0" if nonpos.any() else ""))
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title("\n".join(textwrap.wrap(title, int(width * 11))), fontsize=9)  # ~11 characters an inch at 9 pt
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
