@@ -11,6 +11,8 @@ from lowbit.runtime.ports import free_port
 if TYPE_CHECKING:
     import torch
 
+    from lowbit.runtime.load.gguf_file import GGUFFile
+
 
 class ByteTokenizer:
     """For tiny random models with a vocabulary of 101: token i < 100 is the byte i + 32
@@ -205,3 +207,26 @@ def llama_cpp_logits(path, ids: list[int]) -> torch.Tensor:
         return torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
     finally:
         llm.close()
+
+
+def truncated(src: GGUFFile, dst, layers: int):
+    """The first `layers` blocks of `src` (block_count rewritten), every tensor's bytes and every key as stored."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    arch = src.metadata["general.architecture"]
+    w = GGUFWriter(dst, arch)
+    for key, value in src.metadata.items():
+        if key != "general.architecture":
+            vtype, item = src.value_types[key]
+            w.add_key_value(key, layers if key == f"{arch}.block_count" else value, vtype, sub_type=item)
+    keep = [t for t in src.tensors if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < layers]
+    for t in keep:
+        w.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), t.n_bytes, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in keep:
+        w.write_tensor_data(src.read(t))
+    w.close()
+    return dst

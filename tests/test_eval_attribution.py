@@ -1,6 +1,6 @@
 """`lowbit eval --reference REF MODEL --weights L --attribute`: the KL of each tensor alone at L, and with a
 quantized --kv of each layer's K and V alone. On the default model cut to 2 layers (its Q4_1 blocks as stored,
-tests/test_quantize.py truncated) and one window of 128 tokens, so that every part is scored in ~20 s on 2 busy
+tests/helpers.py truncated) and one window of 128 tokens, so that every part is scored in ~20 s on 2 busy
 cores. The oracle for a row is a model built whole (Llama from a plain dict) with that one tensor at L, scored
 the same way; the whole default model's figures (210 tensors) are in docs/quality.md."""
 
@@ -25,7 +25,7 @@ from lowbit.runtime.eval.evaluate import window_logprobs
 from lowbit.runtime.eval.reference import ROWS, SavedReference, read
 from lowbit.runtime.load.gguf_file import GGUFFile
 from lowbit.runtime.load.loader import read_weights
-from tests.test_quantize import truncated
+from tests.helpers import truncated
 
 pytestmark = pytest.mark.slow
 KINDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")

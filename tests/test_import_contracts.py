@@ -53,3 +53,17 @@ def test_only_the_backend_picks_the_c_kernels_and_one_decode_path_remains():
     for gone in (r"\bKVCache\b", r"\bContiguousAttention\b", r"\bGraphedDecode\b", r"\bdecode_layers\(",
                  r"\bdecode_attention\("):
         assert not [f for f, s in sources.items() if re.search(gone, s)], gone
+
+
+def test_the_server_reads_as_routers_over_one_object():
+    """Issue 42's shape: no function in runtime/server/ longer than ~60 lines (routes stay short; the
+    work is the Frontend's and each dialect's translation)."""
+    import ast
+    from pathlib import Path
+
+    long = []
+    for path in sorted((Path(__file__).parents[1] / "runtime" / "server").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long

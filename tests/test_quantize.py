@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter, quants
+from gguf import quants
 
 from lowbit.quant import parse_weights, quantize_weight
 from lowbit.runtime.cli.main import main
 from lowbit.runtime.load.gguf import load_gguf
 from lowbit.runtime.load.gguf_file import GGUFFile
 from lowbit.runtime.load.gguf_write import TYPE_KEYS, parse_layout, write_gguf
-from tests.helpers import Sequences, llama_cpp_logits
+from tests.helpers import Sequences, llama_cpp_logits, truncated
 
 LAYOUTS = {"auto": None, "q4_1": T.Q4_1, "int4-sym-g32": T.Q4_0, "q8_0": T.Q8_0, "f16": T.F16, "bf16": T.BF16,
            "f32": T.F32}
@@ -29,26 +29,6 @@ LOWBIT_NAME = {"q4_1": "int4-g32", "q8_0": "int8-g32"}
 MATRICES = {"layers.0.wv": "blk.0.attn_v.weight", "layers.0.wo": "blk.0.attn_output.weight",
             "layers.1.w_gate": "blk.1.ffn_gate.weight", "layers.1.w_up": "blk.1.ffn_up.weight",
             "layers.1.w_down": "blk.1.ffn_down.weight"}
-
-
-def truncated(src: GGUFFile, dst, layers: int):
-    """The first `layers` blocks of `src` (block_count rewritten), every tensor's bytes and every key as stored."""
-    arch = src.metadata["general.architecture"]
-    w = GGUFWriter(dst, arch)
-    for key, value in src.metadata.items():
-        if key != "general.architecture":
-            vtype, item = src.value_types[key]
-            w.add_key_value(key, layers if key == f"{arch}.block_count" else value, vtype, sub_type=item)
-    keep = [t for t in src.tensors if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < layers]
-    for t in keep:
-        w.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), t.n_bytes, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for t in keep:
-        w.write_tensor_data(src.read(t))
-    w.close()
-    return dst
 
 
 def tensors(f: GGUFFile) -> dict:

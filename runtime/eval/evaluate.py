@@ -106,6 +106,14 @@ class Reference:
         self.lp, self.p, self.top1 = lp, lp.exp(), lp.argmax(-1)
 
 
+def perplexity(nll: torch.Tensor) -> tuple[float, float]:
+    """exp of the mean NLL [n], and llama-perplexity's uncertainty: the standard error of the mean NLL,
+    carried through exp. Every table computes it here, so that a lossless row's ΔPPL is exactly 0."""
+    n = nll.numel()
+    ppl = math.exp(float(nll.mean()))
+    return ppl, ppl * float(nll.std(unbiased=True)) / math.sqrt(n) if n > 1 else 0.0
+
+
 class Scores:
     """Running per-token statistics of one variant against the reference."""
 
@@ -123,10 +131,7 @@ class Scores:
     def summary(self) -> dict:
         nll, kl = torch.cat(self.nll), torch.cat(self.kl)
         n = nll.numel()
-        mean = float(nll.mean())
-        ppl = math.exp(mean)
-        # llama-perplexity's uncertainty: the standard error of the mean NLL, carried through exp
-        stderr = ppl * float(nll.std(unbiased=True)) / math.sqrt(n) if n > 1 else 0.0
+        ppl, stderr = perplexity(nll)
         return {"ppl": ppl, "ppl_stderr": stderr, "kl_mean": float(kl.mean()), "kl_p99": float(kl.quantile(0.99)),
                 "kl_max": float(kl.max()), "top1_pct": 100.0 * self.same_top1 / n, "tokens": n}
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lowbit.runtime.eval.evaluate import window_logprobs, windows
+from lowbit.runtime.eval.evaluate import perplexity, window_logprobs, windows
 
 FORMAT = "lowbit-reference/1"
 ROWS = ("top_ids", "top_lp", "log_tail", "tail_ids", "tail_lp", "target_lp")  # per scored token
@@ -108,10 +107,7 @@ def build_reference(model, tokenizer, ids: list[int], ctx: int, max_windows: int
     return SavedReference(torch.tensor(wins, dtype=torch.int32), **rows, pieces=pieces_of(tokenizer), meta=
                           {"ctx": ctx, "windows": len(wins), "top_k": top_k, "tail_draws": tail_draws,
                            "tokens": int(nll.numel()),
-                           # as TopkScores.summary computes a candidate's, so that a lossless one's ΔPPL is exactly 0
-                           "ppl": math.exp(float(nll.mean())),
-                           "ppl_stderr": math.exp(float(nll.mean())) * float(nll.std()) / math.sqrt(nll.numel())
-                           if nll.numel() > 1 else 0.0})
+                           **dict(zip(("ppl", "ppl_stderr"), perplexity(nll)))})
 
 
 def save(ref: SavedReference, path: Path) -> int:

@@ -20,9 +20,9 @@ holds against the full-logit KL.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from lowbit.runtime.eval.evaluate import perplexity
 
 KL_QUANTILES = {"kl_median": 0.5, "kl_p90": 0.9, "kl_p99": 0.99, "kl_p999": 0.999}
 DP_QUANTILES = {"dp_p01": 0.01, "dp_p99": 0.99}
@@ -72,8 +72,8 @@ class TopkScores:
     def summary(self) -> dict:
         nll, kl, var, lower, dp = (torch.cat(x) for x in (self.nll, self.kl, self.var, self.lower, self.dp))
         n = nll.numel()
-        ppl = math.exp(float(nll.mean()))
-        out = {"ppl": ppl, "ppl_stderr": ppl * float(nll.std()) / math.sqrt(n) if n > 1 else 0.0,
+        ppl, stderr = perplexity(nll)
+        out = {"ppl": ppl, "ppl_stderr": stderr,
                "kl_mean": float(kl.mean()), "kl_tail_bound": Z99 * float(var.sum().sqrt()) / n,
                "kl_lower": float(lower.mean()), "kl_max": float(kl.max()),
                "top1_pct": 100.0 * self.same_top1 / n, "tokens": n,
