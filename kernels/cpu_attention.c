@@ -236,8 +236,10 @@ size_t lowbit_paged_attention_partials(int64_t nchunks, int64_t H, int64_t D) {
 }
 
 /* q [R, H, D] (rows sq floats apart); the plan and chunk count from lowbit_paged_attention_plan; row r's
- * page ids are tables[toff[r] ...]; rot: the rotation's D signs (`rotate`) when both sides are stored
- * rotated (q is rotated, the output rotated back) or NULL; sinks: fp32 [H] attention sinks or NULL →
+ * page ids are tables[toff[r] ...]; rot: the pool's rotation, its D signs (`rotate`), or NULL: a quantized
+ * side is stored rotated, a float one never (kv_write_one), so q is rotated where the keys are quantized and
+ * the output rotated back where the values are (a pool of per-layer formats may have a layer of f16 keys and
+ * int4 values: runtime/engine/kv_cache.py); sinks: fp32 [H] attention sinks or NULL →
  * out fp32 [R, H, D]. A team function (items shared out, a barrier, the merges shared out, a barrier);
  * scratch: per_thread floats (lowbit_paged_attention_scratch) for each thread; partials:
  * lowbit_paged_attention_partials floats. */
@@ -248,6 +250,7 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
                                  float *partials, float *out) {
     const int64_t grp = H / Hkv, GK = ks->bits >= 16 ? 1 : D / ks->group, GV = vs->bits >= 16 ? 1 : D / vs->group;
     const int64_t gk = D / GK, gv = D / GV;
+    const float *q_rot = ks->bits < 16 ? rot : NULL, *o_rot = vs->bits < 16 ? rot : NULL;
     float *buf = scratch + per_thread * (size_t)omp_get_thread_num();
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < nchunks * Hkv; item++) {
@@ -258,7 +261,7 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
         float *xs = ms + grp * D;  /* 8 key vectors' codes (or a second value vector's) */
         for (int64_t j = 0; j < grp; j++) {
             const float *qh = q + r * sq + (kvh * grp + j) * D;
-            if (rot) rotate(qh, rot, D, 0, qr + j * D);
+            if (q_rot) rotate(qh, q_rot, D, 0, qr + j * D);
             else for (int64_t k = 0; k < D; k++) qr[j * D + k] = qh[k];
             for (int64_t g = 0; g < GK; g++) {
                 float sum = 0.0f;
@@ -362,8 +365,8 @@ void lowbit_paged_attention_team(const float *q, int64_t sq, int64_t R, int64_t 
         if (sinks) sum += expf(sinks[h] - top);  /* the sink's share of the denominator; it adds no value */
         const float inv = 1.0f / sum;
         for (int64_t k = 0; k < D; k++) acc[k] *= inv;
-        if (rot) rotate(acc, rot, D, 1, y);
-        for (int64_t k = 0; k < D; k++) dst[k] = rot ? y[k] : acc[k];
+        if (o_rot) rotate(acc, o_rot, D, 1, y);
+        for (int64_t k = 0; k < D; k++) dst[k] = o_rot ? y[k] : acc[k];
     }
 }
 

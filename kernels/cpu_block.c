@@ -301,7 +301,9 @@ int lowbit_block_post(const lowbit_ctx *c, const lowbit_block *b, int64_t M, con
  * region: per block, block_pre with its layer's rotary table (cos/sin [n_tables, M, D]: Gemma 3's local and
  * global kinds, or an identity table for SmolLM3's layers without rotary), the K and V of the step quantized into their slots (kv_write, rotated
  * by write_rot when the format rotates), paged decode attention over each row's first ctx[r] tokens (within the block's window)
- * (attn_rot: both sides rotated; both are the rotation's D signs, cpu_attention.c `rotate`; the block's sinks, if any),
+ * (attn_rot: the pool's rotation, which attention applies to each layer's quantized sides only, as write_rot
+ * does: a pool may give each layer its own format; both are the rotation's D signs, cpu_attention.c `rotate`;
+ * the block's sinks, if any),
  * block_post — the arithmetic of the per-block path, in the same order, so the result is
  * bit-identical to it. k_sides/v_sides: one descriptor per layer. Scratch is
  * allocated once for the step. Returns 0, -1 for shapes it does not take, -2 for a failed allocation. */

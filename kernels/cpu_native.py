@@ -448,7 +448,9 @@ class NativeKernels:
         """One query token per row over the paged pool (cpu_attention.c): q fp32 [R, H, D] (heads
         contiguous), ctx int64 [R] keys seen per row, row r's page ids at tables[toff[r]:] (int64),
         k_side/v_side one layer's keys and values in the pool (kernels/kv_side.py),
-        rot fp32 [D, D] (kernels/kv_quant.py rotation) when both sides are stored rotated, sinks fp32 [H]
+        rot fp32 [D, D] (kernels/kv_quant.py rotation) when the pool rotates: its quantized sides are stored
+        rotated, so q is rotated where the keys are quantized and the output rotated back where the values
+        are (a float side is never rotated; one layer may hold f16 keys and int4 values), sinks fp32 [H]
         (gpt-oss: a logit per head in each row's softmax, with no value) or None → fp32 [R, H, D]."""
         R, H, D = q.shape
         check_sinks(sinks, H, "cpu paged decode attention")

@@ -91,7 +91,9 @@ class PagedAttention:
         # both sides rotated (k8v4, k4v4): attend in the rotated space, as the CUDA kernels do —
         # q·k and p·v are unchanged by an orthonormal rotation, and rotating q and the output costs
         # a sequence's new rows where un-rotating its gathered cache cost 2 x context rows per layer
-        # (in every layer: a pool of per-layer formats with a float side anywhere attends un-rotated)
+        # (in every layer: a pool of per-layer formats with a float side anywhere attends un-rotated on the
+        # SDPA path; the C and Triton kernels take each layer's sides as they are stored — q rotated where
+        # the keys are quantized, the output rotated back where the values are — so they take every pool)
         both = all(f.k_bits < 16 and f.v_bits < 16 for f in pool.formats)
         self.rot = pool.rot if pool.rot is not None and both else None
         # sequences whose pages are read and dequantized together (one set of index and dequantize
@@ -115,8 +117,7 @@ class PagedAttention:
         starts = [0]
         for n in batch.query_lens:
             starts.append(starts[-1] + n)
-        self.native = self.kernels if pool.rot is None or self.rot is not None else None
-        by_c = [self.native is not None and (n <= C_ROWS_MAX or one) for n, one in zip(batch.query_lens, one_by_one)]
+        by_c = [self.kernels is not None and (n <= C_ROWS_MAX or one) for n, one in zip(batch.query_lens, one_by_one)]
         self.rows = [(i, starts[i]) for i in range(len(by_c)) if not by_c[i]]  # (sequence, first row), SDPA
         budget = 1 if pool.rot is not None and self.rot is None else GATHER_PAGES
         self.groups = _groups([len(batch.block_tables[i]) for i, _ in self.rows], budget)
@@ -153,7 +154,7 @@ class PagedAttention:
         k_sides = [pool.side(layer, "k") for layer in range(pool.n_layers)]
         v_sides = [pool.side(layer, "v") for layer in range(pool.n_layers)]
         return layers.decode_paged(delta, cos, sin, self.batch.slots.to(torch.int64).contiguous(), pool.page_size,
-                                   k_sides, v_sides, pool.rot, self.rot, self.c_args)
+                                   k_sides, v_sides, pool.rot, pool.rot, self.c_args)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [M, H, D], k/v [M, Hkv, D] → fp32 [M, H*D]."""
@@ -164,9 +165,9 @@ class PagedAttention:
         M, H, D = q.shape
         out = torch.empty(M, H, D, dtype=torch.float32, device=q.device)
         if self.c_rows is not None:
-            attended = self.native.paged_decode_attention(
+            attended = self.kernels.paged_decode_attention(
                 q[self.c_rows].float(), *self.c_args, pool.page_size, pool.side(layer, "k"), pool.side(layer, "v"),
-                self.rot, window, sinks)
+                pool.rot, window, sinks)
             if isinstance(self.c_rows, slice):
                 return attended.view(M, H * D)
             out[self.c_rows] = attended
@@ -238,12 +239,14 @@ class PagedAttention:
         for x, side in ((k, k_side), (v, v_side)):
             x = x.float() @ rot if rot is not None and side.bits < 16 else x
             kv_write(x, b.slots, side, pool.page_size)
-        rotated = rot is not None and k_side.bits < 16 and v_side.bits < 16
+        # each side as stored: q rotated where the keys are, the output rotated back where the values are (a
+        # pool of per-layer formats may hold f16 keys and int4 values in one layer)
+        q_rot, out_rot = (rot is not None and side.bits < 16 for side in (k_side, v_side))
         cu, ctx, tables, by_row, alone = self.tensors
-        out = paged_attention(q.float() @ rot if rotated else q, k_side, v_side, cu, ctx, b.positions, tables,
+        out = paged_attention(q.float() @ rot if q_rot else q, k_side, v_side, cu, ctx, b.positions, tables,
                               pool.page_size, sliding_window=self.windows[layer], max_query_len=max(b.query_lens),
                               split_rows=by_row, alone=alone, sinks=self.sinks[layer])  # fp32 [M, H, D]
-        if rotated:
+        if out_rot:
             out = out @ rot.T
         return out.reshape(q.shape[0], -1)
 

@@ -33,6 +33,7 @@ it. It costs twice f16's bytes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -87,8 +88,28 @@ KV_FORMATS = MappingProxyType({
 DEFAULT_KV_FORMAT = "k8v4"
 
 
+# A quantized side's group is the one its bits have in every named format above (8 bits: a whole 64-head,
+# 4 bits: 32 — the measurements in this module's docstring), so a layer of a per-layer recipe at "k8v4"
+# is byte for byte a k8v4 layer.
+SIDE_GROUP = MappingProxyType({8: 64, 4: 32})
+
+
+def side_format(k_bits: int, v_bits: int) -> KVFormat:
+    """One layer's format from its two sides' bits (16, 8 or 4 each): `lowbit fit` chooses them per layer.
+    Named "k{K}v{V}" ("f16" for 16/16): k8v8, k8v4 and k4v4 are the named formats themselves."""
+    for bits in (k_bits, v_bits):
+        if bits not in (16, *SIDE_GROUP):
+            raise ValueError(f"a KV side has 16, 8 or 4 bits, got {bits}")
+    if k_bits == v_bits == 16:
+        return KV_FORMATS["f16"]
+    return KVFormat(f"k{k_bits}v{v_bits}", k_bits, v_bits, SIDE_GROUP.get(k_bits, 0), SIDE_GROUP.get(v_bits, 0), True)
+
+
 def parse_kv_format(name: str) -> KVFormat:
-    try:
+    """A named format (KV_FORMATS), or one layer's "k{K}v{V}" with K, V in 16, 8, 4 (side_format)."""
+    if name in KV_FORMATS:
         return KV_FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown KV cache format {name!r}; expected one of {', '.join(KV_FORMATS)}") from None
+    m = re.fullmatch(r"k(16|8|4)v(16|8|4)", name)
+    if m is None:
+        raise ValueError(f"unknown KV cache format {name!r}; expected one of {', '.join(KV_FORMATS)}")
+    return side_format(int(m.group(1)), int(m.group(2)))

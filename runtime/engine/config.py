@@ -16,6 +16,10 @@ DEFAULT_KV_MEMORY = 256 << 20
 @dataclass(frozen=True)
 class EngineConfig:
     kv_format: str = DEFAULT_KV_FORMAT  # quant/kv.py KV_FORMATS
+    # one format name per KV layer (the model's n_kv_layers; a recipe's "kv": runtime/load/recipe.py), or None:
+    # every layer in kv_format, which then only names the pool. `lowbit fit` gives each layer its own bits, as
+    # V is the side that costs quality (k8v4 0.0047 mean KL, f16 K with V4 0.0056: quant/kv.py) and layers differ
+    kv_layers: tuple[str, ...] | None = None
     # bytes, on CUDA a share (0, 1) of the free GPU memory, or None: the model's whole context (engine.kv_budget)
     kv_memory: int | float | None = None
     # tokens per KV page: 16 keeps the last page's waste under 16 tokens per sequence and a page
@@ -35,9 +39,21 @@ class EngineConfig:
 
     def __post_init__(self):
         parse_kv_format(self.kv_format)  # a one-line ValueError for an unknown name
+        if self.kv_layers is not None:
+            if isinstance(self.kv_layers, str) or not self.kv_layers:
+                raise ValueError(f"kv_layers must be a non-empty sequence of KV format names, got {self.kv_layers!r}")
+            object.__setattr__(self, "kv_layers", tuple(self.kv_layers))  # a list from a recipe: hashable, frozen
+            for i, name in enumerate(self.kv_layers):
+                try:
+                    parse_kv_format(name)
+                except ValueError as e:
+                    raise ValueError(f"kv_layers[{i}]: {e}") from None
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.exact is False and getattr(self.speculative, "method", None) == "verify":
             raise ValueError("verified greedy verifies on the exact path: it cannot run with exact=False")
+        if self.kv_layers is not None and getattr(self.speculative, "method", None) == "verify":
+            # its exact pass must read back exactly what it wrote: an f32 cache in every layer
+            raise ValueError("verified greedy runs over an f32 KV cache: it cannot run with kv_layers")

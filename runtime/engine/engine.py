@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ from lowbit.quant.kv import parse_kv_format
 from lowbit.runtime.engine.config import DEFAULT_KV_MEMORY, EngineConfig
 from lowbit.runtime.engine.cuda_graphs import decode_graphs
 from lowbit.runtime.engine.detokenizer import StreamDetokenizer
-from lowbit.runtime.engine.kv_cache import KVPool
+from lowbit.runtime.engine.kv_cache import KVPool, bytes_per_token
 from lowbit.runtime.engine.pages import PageManager
 from lowbit.runtime.engine.runner import Chunk, Runner, exact_rows
 from lowbit.runtime.engine.sampler import SampleResult, SamplingParams, SamplingState, mask_padding, results, sample_batch
@@ -117,9 +118,15 @@ class Engine:
         self.max_model_len = e.max_model_len or c.max_seq_len  # prompt + reply, in tokens
         # model.kv_heads: the heads this process caches (all of them, or one tensor-parallel rank's share)
         fmt = parse_kv_format(e.kv_format)
+        layer_formats = None  # kv_layers: each KV layer's own format (`fmt` then only names the pool)
+        if e.kv_layers is not None:
+            if len(e.kv_layers) != c.n_kv_layers:
+                raise ValueError(f"kv_layers names {len(e.kv_layers)} KV formats; the model has {c.n_kv_layers} "
+                                 "KV layers (one format each)")
+            layer_formats = [parse_kv_format(name) for name in e.kv_layers]
         # a hybrid model (Qwen3.5): pages for its attention layers only, and a recurrent-state slot for each
         # sequence that may run (runtime/engine/state_pool.py), paid out of the same budget
-        token_bytes = fmt.bytes_per_token(c.n_kv_layers, model.kv_heads, c.head_dim)
+        token_bytes = bytes_per_token(fmt, c.n_kv_layers, model.kv_heads, c.head_dim, layer_formats)
         state_bytes = c.state_bytes * e.max_num_seqs
         budget = kv_budget(e.kv_memory, model.device, token_bytes, self.max_model_len, e.page_size, state_bytes)
         if state_bytes and budget - state_bytes < token_bytes * e.page_size:
@@ -127,7 +134,7 @@ class Engine:
                              f"({state_bytes} bytes) and no KV page; give more --kv-memory or fewer sequences")
         states = StateCache(c, e.max_num_seqs, model.device) if state_bytes else None
         self.pool = KVPool.from_budget(fmt, c.n_kv_layers, model.kv_heads, c.head_dim, budget - state_bytes,
-                                       e.page_size, model.device, states)
+                                       e.page_size, model.device, states, layer_formats)
         self.runner = Runner(model, self.pool, decode_graphs(model, self.pool, e, self.max_model_len))
         # graphed decode steps pad with rows writing to the pool's last page: kept from every sequence.
         # No prefix cache for a hybrid model: a cached page serves attention's K/V but not the recurrent state
@@ -155,6 +162,7 @@ class Engine:
             if d.deltanet is not None:  # its cache is cut back to a common prefix each round: pages only
                 raise ValueError(f"a hybrid model ({d.arch}: recurrent layers) cannot be the draft model; use a "
                                  "transformer draft, or ngram")
+            # the draft's own layers, all in kv_format (kv_layers are the target's)
             self.proposer = DraftProposer(draft_model, tokenizer.vocab_size, fmt, kv_budget(
                 e.kv_memory, draft_model.device, fmt.bytes_per_token(d.n_layers, draft_model.kv_heads, d.head_dim),
                 self.max_model_len, e.page_size), e.page_size)
@@ -210,7 +218,10 @@ class Engine:
         size = f"{p.nbytes / gib:.2f} GiB" if p.nbytes >= gib else f"{p.nbytes >> 20} MiB"
         states = "" if p.states is None else (f" with the recurrent state of {p.states.num_slots} sequences "
                                               f"({p.states.nbytes >> 20} MiB)")
-        return (f"KV cache {p.fmt.name}: {size}{states}, {self.blocks.num_pages * p.page_size:,} tokens (the context is "
+        counts = Counter(f.name for f in p.formats)  # in layer order of first use
+        name = next(iter(counts)) if len(counts) == 1 else \
+            "per layer (" + ", ".join(f"{n} x{k}" for n, k in counts.items()) + ")"
+        return (f"KV cache {name}: {size}{states}, {self.blocks.num_pages * p.page_size:,} tokens (the context is "
                 f"{self.max_model_len:,}; --kv-memory sets the size)")
 
     def has_work(self) -> bool:

@@ -13,8 +13,9 @@ A page's scales sit beside its codes (same leading index), so a page is freed or
 whole. A hybrid model's pool holds pages for its attention layers only (`n_layers` is theirs: Qwen3.5's
 one layer in four) and carries the recurrent-state slots of its other layers as `states`
 (runtime/engine/state_cache.py), counted in `nbytes`. A pool may give each layer its own format
-(`layer_formats`: `lowbit eval --attribute` quantizes one layer's K or V and keeps the rest f16); every
-side carries its own bits and group, and the one rotation is applied to the quantized sides only.
+(`layer_formats`: `lowbit eval --attribute` quantizes one layer's K or V and keeps the rest f16; the engine's
+EngineConfig.kv_layers, `lowbit fit`'s bits per layer); every side carries its own bits and group, and the one
+rotation is applied to the quantized sides only.
 Writing quantizes each token vector as it arrives (kernels/kv_quant.py); reading gathers a sequence's
 pages and dequantizes them (the CPU path; the CUDA path reads codes in-kernel).
 """
@@ -30,6 +31,17 @@ from lowbit.kernels.kv_side import KVSide
 from lowbit.quant.kv import KVFormat
 
 GIB = 1 << 30
+
+
+def bytes_per_token(fmt: KVFormat, n_layers: int, n_kv_heads: int, head_dim: int,
+                    layer_formats: list[KVFormat] | None = None) -> int:
+    """Bytes one token takes in every layer of a pool: n_layers of `fmt`, or the sum of each layer's own
+    (layer_formats; n_layers of them)."""
+    if layer_formats is None:
+        return fmt.bytes_per_token(n_layers, n_kv_heads, head_dim)
+    if len(layer_formats) != n_layers:
+        raise ValueError(f"KVPool: {len(layer_formats)} layer formats for {n_layers} layers")
+    return sum(f.bytes_per_token(1, n_kv_heads, head_dim) for f in layer_formats)
 
 
 class KVPool:
@@ -51,12 +63,16 @@ class KVPool:
 
     @classmethod
     def from_budget(cls, fmt: KVFormat, n_layers: int, n_kv_heads: int, head_dim: int, budget_bytes: int,
-                    page_size: int = 16, device="cpu", states=None) -> "KVPool":
-        per_page = fmt.bytes_per_token(n_layers, n_kv_heads, head_dim) * page_size
+                    page_size: int = 16, device="cpu", states=None,
+                    layer_formats: list[KVFormat] | None = None) -> "KVPool":
+        """As many pages as `budget_bytes` holds; a page costs every layer's bytes for page_size tokens (with
+        layer_formats, each layer's own: `bytes_per_token`)."""
+        per_page = bytes_per_token(fmt, n_layers, n_kv_heads, head_dim, layer_formats) * page_size
         pages = budget_bytes // per_page
         if pages < 1:
-            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page ({per_page} bytes each in {fmt.name})")
-        return cls(fmt, n_layers, n_kv_heads, head_dim, int(pages), page_size, device, states)
+            named = fmt.name if layer_formats is None else "per-layer formats"
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page ({per_page} bytes each in {named})")
+        return cls(fmt, n_layers, n_kv_heads, head_dim, int(pages), page_size, device, states, layer_formats)
 
     def _alloc(self, name: Literal["k", "v"], device, fmt: KVFormat) -> KVSide:
         P, H, S, D = self.num_pages, self.n_kv_heads, self.page_size, self.head_dim

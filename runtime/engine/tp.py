@@ -220,7 +220,25 @@ def _pack_step(tokens: torch.Tensor, batch: PagedBatch, pool, exact) -> dict:
             "block_tables": [t.tolist() for t in batch.block_tables], "logits_rows": batch.logits_rows.tolist(),
             "one_by_one": batch.one_by_one,
             "exact": exact.mask.tolist() if isinstance(exact, ExactRows) else exact,
-            "pool": (pool.fmt.name, pool.num_pages, pool.page_size)}
+            "pool": _pool_key(pool)}
+
+
+def _pool_key(pool) -> tuple:
+    """What a rank needs to build its own pool like rank 0's: the format's name, each layer's format name
+    where the layers differ (an engine's kv_layers; None: every layer in the one format), pages, page size."""
+    layers = tuple(f.name for f in pool.formats)
+    return pool.fmt.name, None if set(layers) == {pool.fmt.name} else layers, pool.num_pages, pool.page_size
+
+
+def _rank_pool(model, key: tuple):
+    """A rank's pool for rank 0's `_pool_key`: the same formats, pages and slots, this rank's KV heads."""
+    from lowbit.quant.kv import parse_kv_format
+    from lowbit.runtime.engine.kv_cache import KVPool
+
+    fmt, layers, pages, page_size = key
+    c = model.config
+    return KVPool(parse_kv_format(fmt), c.n_kv_layers, model.kv_heads, c.head_dim, pages, page_size,
+                  layer_formats=None if layers is None else [parse_kv_format(n) for n in layers])
 
 
 def _unpack_step(m: dict) -> tuple[torch.Tensor, PagedBatch, object]:
@@ -242,8 +260,6 @@ def _rank_info(model, pool) -> dict:
 def _worker(index: int, world: int, init: str, path: str, weights: str, dtype: str, threads: int,
             groups: list[list[int]] | None) -> None:
     """Rank index + 1: load its slice, then run the steps rank 0 broadcasts until told to stop."""
-    from lowbit.quant.kv import parse_kv_format
-    from lowbit.runtime.engine.kv_cache import KVPool
     from lowbit.runtime.load.loader import load
 
     rank = index + 1
@@ -273,9 +289,8 @@ def _worker(index: int, world: int, init: str, path: str, weights: str, dtype: s
                 dist.gather_object(_rank_info(model, pool), None, dst=0)
             elif op == "step":
                 if body["pool"] != pool_key:  # rank 0's engine made a pool: the same pages, this rank's heads
-                    fmt, pages, page_size = pool_key = body["pool"]
-                    c = model.config
-                    pool = KVPool(parse_kv_format(fmt), c.n_kv_layers, model.kv_heads, c.head_dim, pages, page_size)
+                    pool_key = body["pool"]
+                    pool = _rank_pool(model, pool_key)
                 tokens, batch, exact = _unpack_step(body)
                 model.forward_paged(tokens, batch, pool, exact)
     dist.destroy_process_group()
