@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from lowbit.quant.kv import KV_FORMATS
 from lowbit.runtime.engine.config import DEFAULT_KV_MEMORY, EngineConfig
@@ -26,6 +27,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"alias, path to a .gguf, a Hugging Face model directory, or hf:ORG/REPO[:QUANT] "
                         f"(downloaded into the hub cache on first use; default quant Q4_K_M) (default: {DEFAULT_MODEL})")
     p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
+    p.add_argument("--recipe", default=None, metavar="FILE",
+                   help="a recipe written by `lowbit fit`: each matrix's layout and each layer's K and V bits, in "
+                        "place of --weights and --kv-cache")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--device", default="auto",
                    help="auto (cuda when a GPU and Triton are there, else cpu), cpu, cuda or cuda:N")
@@ -146,10 +150,22 @@ def check_engine_args(args) -> None:
         raise LowbitError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
 
 
+def read_recipe(args):
+    """The `--recipe` file's Recipe (runtime/load/recipe.py), or None."""
+    if getattr(args, "recipe", None) is None:
+        return None
+    from lowbit.runtime.load.recipe import read
+
+    return read(args.recipe)
+
+
 def engine_config(args, kv_memory: int | float, spec) -> EngineConfig:
     """The flags' engine: `--kv-memory` already read by parse_size, `--speculative` by
-    parse_speculative; flags a command does not take keep the defaults."""
+    parse_speculative; flags a command does not take keep the defaults. A `--recipe` names each layer's KV
+    format."""
+    recipe = read_recipe(args)
     return EngineConfig(kv_format=args.kv_cache, kv_memory=kv_memory, speculative=spec,
+                        kv_layers=tuple(recipe.kv) if recipe is not None and recipe.kv else None,
                         max_num_seqs=getattr(args, "max_num_seqs", DEFAULTS.max_num_seqs),
                         max_model_len=getattr(args, "ctx_size", None),
                         cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None)
@@ -157,13 +173,16 @@ def engine_config(args, kv_memory: int | float, spec) -> EngineConfig:
 
 def load_model(ref, args, progress: bool | None = None):
     """The model the flags name: one process, or `--tp N` ranks (runtime/engine/tp.py)."""
+    recipe = read_recipe(args)
     if getattr(args, "tp", 1) != 1:
+        if recipe is not None:
+            raise LowbitError("--recipe runs in one process: leave out --tp")
         from lowbit.runtime.engine.tp import load_tp
 
         return load_tp(ref, args.weights, args.tp, progress, args.device, args.dtype, args.threads)
     from lowbit.runtime.load.loader import load
 
-    return load(ref, args.weights, progress=progress, device=args.device, dtype=args.dtype)
+    return load(ref, args.weights, progress=progress, device=args.device, dtype=args.dtype, recipe=recipe)
 
 
 def load_served(args, kv_memory, progress: bool | None = None):
@@ -186,5 +205,6 @@ def load_served(args, kv_memory, progress: bool | None = None):
     except ValueError as e:
         raise LowbitError(f"sampling defaults: {e}") from None
     return Served(AsyncEngine(engine), lm.tokenizer, names[0], engine.max_model_len,
-                  {"weights": lm.weights, "kv_cache": args.kv_cache, "device": str(lm.model.device),
+                  {"weights": lm.weights, "kv_cache": f"recipe {Path(args.recipe).name}" if getattr(args, "recipe", None)
+                   else args.kv_cache, "device": str(lm.model.device),
                    "speculative": args.speculative}, tuple(names[1:]), getattr(args, "pooling", "mean"), sampling)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lowbit.runtime.errors import LowbitError
 
+RECIPE = "recipe"  # --recipe's row: the weights column names it
 AS_STORED = "as-stored"  # --reference's default --weights: each candidate file as it is stored
 
 DEFAULT_KVS = "f16,k8v4"
@@ -34,6 +35,9 @@ def add_eval_parser(sub) -> None:
                          "multiplied by bitsandbytes")
     ev.add_argument("--kv", default=None, help="comma list of KV formats: f16, k8v8, k8v4, k4v4 (default f16,k8v4; "
                                                  "with --attribute one format, default f16)")
+    ev.add_argument("--recipe", default=None, metavar="FILE",
+                    help="with --reference: score the MODEL built from a `lowbit fit` recipe (each matrix's layout, "
+                         "each layer's K and V bits) in place of --weights and --kv")
     ev.add_argument("--text", default=None, help="text file (default: the WikiText-2 excerpt shipped with lowbit)")
     ev.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
     ev.add_argument("--chunks", type=int, default=None, help="most windows to score (default: all the text holds)")
@@ -173,7 +177,8 @@ def _cmd_reference(args) -> int:
 
 def _cmd_against(args) -> int:
     """`lowbit eval --reference REF [MODEL ...]`."""
-    from lowbit.quant.kv import KV_FORMATS
+    from lowbit.quant.kv import KV_FORMATS, parse_kv_format
+    from lowbit.runtime.cli.engine_args import read_recipe
     from lowbit.runtime.eval.candidates import candidate_rows, reference_table
     from lowbit.runtime.eval.evaluate import decode_tps
     from lowbit.runtime.eval.reference import read, text_sha256
@@ -192,9 +197,17 @@ def _cmd_against(args) -> int:
     kvs = [k.strip() for k in (args.kv or DEFAULT_KVS).split(",") if k.strip()]
     if not weights or not kvs or any(k not in KV_FORMATS for k in kvs):
         raise LowbitError(f"--kv takes a comma list of {', '.join(KV_FORMATS)}; --weights a non-empty list")
+    recipe = read_recipe(args)
+    if recipe is not None:
+        if args.weights or args.kv:
+            raise LowbitError("--recipe sets every tensor's layout and every layer's KV format: leave out --weights "
+                              "and --kv")
+        weights, kvs = [RECIPE], [[parse_kv_format(k) for k in recipe.kv]]
 
     def load_one(model, w):
         try:
+            if w == RECIPE:
+                return load(model, "auto", progress=None, recipe=recipe)
             if w == AS_STORED:  # a GGUF's blocks, a safetensors checkpoint's own dtype: the file as its maker meant it
                 w = lossless_weights(resolve(model))
             return load(model, w, progress=None)
@@ -231,6 +244,9 @@ def cmd_eval(args) -> int:
         return _cmd_plot(args)
     if getattr(args, "eval_command", None) == "reference":
         return _cmd_reference(args)
+    if args.recipe and (args.attribute or not args.reference):
+        raise LowbitError("--recipe is scored against a saved reference: `lowbit eval --reference REF.lbref MODEL "
+                          "--recipe FILE` (`lowbit eval reference MODEL --out REF.lbref` saves one)")
     if args.attribute or args.attribute_out or args.attribute_windows is not None:
         if not args.attribute:
             raise LowbitError("--attribute-out and --attribute-windows go with --attribute")

@@ -1,4 +1,4 @@
-"""The `lowbit` command: run, chat, serve, bench, eval, quantize, pull, models, info (one file each under cli/).
+"""The `lowbit` command: run, chat, serve, bench, eval, fit, quantize, pull, models, info (one file each under cli/).
 
 Every user-facing failure is a LowbitError (or a bad flag value) and ends as one line on stderr
 with exit status 1 — never a traceback (set LOWBIT_DEBUG=1 to see one).
@@ -14,6 +14,7 @@ from types import MappingProxyType
 from lowbit.runtime.cli.bench import add_bench_parser, cmd_bench
 from lowbit.runtime.cli.chat import add_chat_parser, cmd_chat
 from lowbit.runtime.cli.eval import add_eval_parser, cmd_eval
+from lowbit.runtime.cli.fit import add_fit_parser, cmd_fit
 from lowbit.runtime.cli.models import add_models_parsers, cmd_info, cmd_models, cmd_pull
 from lowbit.runtime.cli.quantize import add_quantize_parser, cmd_quantize
 from lowbit.runtime.cli.run import add_run_parser, cmd_run
@@ -31,14 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_chat_parser(sub)
     add_eval_parser(sub)
+    add_fit_parser(sub)
     add_quantize_parser(sub)
     add_models_parsers(sub)
     return ap
 
 
 COMMANDS = MappingProxyType({"run": cmd_run, "serve": cmd_serve, "chat": cmd_chat, "bench": cmd_bench,
-                             "eval": cmd_eval, "quantize": cmd_quantize, "pull": cmd_pull, "models": cmd_models,
-                             "info": cmd_info})
+                             "eval": cmd_eval, "fit": cmd_fit, "quantize": cmd_quantize, "pull": cmd_pull,
+                             "models": cmd_models, "info": cmd_info})
 
 
 def main(argv: list[str] | None = None) -> int:

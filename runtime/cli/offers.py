@@ -71,7 +71,7 @@ def model_offers(args, kv_memory, load_served) -> list:
             continue
         seen.add(path.resolve())
         aliases = tuple(getattr(args, "served_model_name", None) or ()) if i == 0 else ()
-        offers.append(Offer(aliases[0] if aliases else name, _loader(args, kv_memory, load_served, path, aliases),
+        offers.append(Offer(aliases[0] if aliases else name, _loader(args, kv_memory, load_served, path, aliases, i == 0),
                             _bytes(path) + _kv_bytes(kv_memory), aliases[1:]))
     return offers
 
@@ -90,11 +90,13 @@ def memory_budget(args) -> int | None:
     return None if free is None else int(free * FREE_SHARE)
 
 
-def _loader(args, kv_memory, load_served, path: Path, names: tuple[str, ...]):
+def _loader(args, kv_memory, load_served, path: Path, names: tuple[str, ...], first: bool):
     """→ load(progress=False): the Served of `path` under the serve flags, named `names` (its file name if
-    none); quiet when loaded on demand, with the progress bar for the default model at start."""
+    none); quiet when loaded on demand, with the progress bar for the default model at start. A --recipe is
+    the first (default) model's: it names that model's tensors."""
     flags = argparse.Namespace(**{**vars(args), "model_pos": str(path), "model": str(path),
-                                  "served_model_name": list(names) or [path.name]})
+                                  "served_model_name": list(names) or [path.name],
+                                  "recipe": getattr(args, "recipe", None) if first else None})
     return lambda progress=False: load_served(flags, kv_memory, progress=progress)
 
 

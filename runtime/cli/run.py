@@ -89,12 +89,12 @@ def cmd_run(args) -> int:
         sys.stdout.flush()
 
     config = engine_config(args, kv_memory, spec)
-    kv = args.kv_cache
+    kv = args.kv_cache if config.kv_layers is None else f"per layer ({args.recipe})"
     # verified greedy: the exact model's greedy reply, drafted by the fast kernels, over an fp32 cache
     # (so the exact pass reads back exactly what it wrote); with --tp, greedy is the fast kernels' own
     verified = params.temperature == 0 and not args.fast_greedy and spec is None and args.tp == 1
     if verified:
-        config = dataclasses.replace(config, kv_format="f32", speculative=VERIFIED_GREEDY,
+        config = dataclasses.replace(config, kv_format="f32", kv_layers=None, speculative=VERIFIED_GREEDY,
                                      kv_memory=_room(lm, len(ids) + args.max_tokens)
                                      + lm.config.state_bytes * config.max_num_seqs)  # hybrid: its state slots
         kv = "f32 (verified greedy)"

@@ -45,6 +45,7 @@ from lowbit.runtime.eval.evaluate import window_logprobs
 from lowbit.runtime.eval.heatmap import SIDES
 from lowbit.runtime.eval.reference import ROWS, SavedReference
 from lowbit.runtime.eval.topk_kl import TopkScores
+from lowbit.runtime.load.recipe import Chosen
 
 _EXPERT = re.compile(r"experts\.\d+\.")  # a mixture's E experts of one kind are one GGUF tensor: one part
 
@@ -84,24 +85,10 @@ def first_windows(saved: SavedReference, n: int | None) -> SavedReference:
                           meta={**saved.meta, "windows": n, "tokens": rows})
 
 
-class Mixed(Mapping):
+def mixed(ref: Mapping, cand: Mapping, keys: tuple[str, ...]) -> Chosen:
     """The reference layout's weights but `keys`, taken at the candidate's: what a block or model with those
-    tensors quantized is built from. Each value is read from its source when asked for, as a load reads."""
-
-    def __init__(self, ref: Mapping, cand: Mapping, keys: tuple[str, ...]):
-        self.ref, self.cand, self.keys, self._names = ref, cand, frozenset(keys), list(ref)
-
-    def __getitem__(self, name: str):
-        return (self.cand if name in self.keys else self.ref)[name]
-
-    def __contains__(self, name) -> bool:  # Mapping's would read the value (a LazyWeights reads the file)
-        return name in self._names
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
+    tensors quantized is built from."""
+    return Chosen(ref, {k: cand for k in keys})
 
 
 def weight_parts(ref_w: Mapping, cand_w: Mapping) -> tuple[list[Part], list[str]]:
@@ -245,7 +232,7 @@ def attribute(saved: SavedReference, config, ref_w: Mapping, cand_w: Mapping, ba
             model = Llama(config, ref_w, backend).eval()
         for p in (p for p in parts if p.layer is None):  # outside the blocks: a model of its own
             with torch.no_grad():
-                other = Llama(config, Mixed(ref_w, cand_w, p.keys), backend).eval()
+                other = Llama(config, mixed(ref_w, cand_w, p.keys), backend).eval()
             s, p.bytes_saved = score(saved, other, ["f16"], bar)[0], held(model) - held(other)
             p.kl_mean, p.kl_tail_bound = s["kl_mean"], s["kl_tail_bound"]
             del other
@@ -263,7 +250,7 @@ def attribute(saved: SavedReference, config, ref_w: Mapping, cand_w: Mapping, ba
                     with _layers(model, before):
                         lp = window_logprobs(model, ids, side_alone(config, kv, p.layer, p.kind))
                 else:
-                    new = block(model, p.layer, Mixed(ref_w, cand_w, p.keys))
+                    new = block(model, p.layer, mixed(ref_w, cand_w, p.keys))
                     p.bytes_saved = held(model.layers[p.layer]) - held(new)
                     with _layers(model, {**before, p.layer: new}):
                         lp = window_logprobs(model, ids, "f16")

@@ -37,7 +37,8 @@ def score(saved: SavedReference, model, kvs: list, progress=None) -> list[dict]:
 
 def candidate_rows(saved: SavedReference, models: list[str], weights: list[str], kvs: list[str], load: Callable,
                    speed: Callable | None = None, progress: Callable | None = None) -> list[Row]:
-    """Rows for every model x weights layout x KV format. load(model, weights) → LoadedModel; speed(lm, kv) →
+    """Rows for every model x weights layout x KV format (a name, or one KVFormat per KV layer: a recipe's).
+    load(model, weights) → LoadedModel; speed(lm, kv) →
     decode tok/s (None: not measured); progress(description) → a tqdm-like bar over windows, or None."""
     c = saved.meta
     rows = []
@@ -55,10 +56,11 @@ def candidate_rows(saved: SavedReference, models: list[str], weights: list[str],
                     bar.close()
             mc = lm.config
             for kv, s in zip(kvs, summaries):
+                per_layer = [KV_FORMATS[kv]] * mc.n_kv_layers if isinstance(kv, str) else kv
                 rows.append(Row(
-                    weights=w, kv=kv, weight_bytes=lm.weight_bytes,
+                    weights=w, kv=kv if isinstance(kv, str) else "per layer", weight_bytes=lm.weight_bytes,
                     bits_per_weight=8 * lm.weight_bytes / c["weight_elements"],
-                    kv_bytes_per_token=KV_FORMATS[kv].bytes_per_token(mc.n_kv_layers, mc.n_kv_heads, mc.head_dim),
+                    kv_bytes_per_token=sum(f.bytes_per_token(1, mc.n_kv_heads, mc.head_dim) for f in per_layer),
                     dppl_pct=100 * (s["ppl"] / c["ppl"] - 1), model=Path(lm.path).name,
                     decode_tps=speed(lm, kv) if speed else None,
                     **{k: v for k, v in s.items() if k in Row.__dataclass_fields__}))

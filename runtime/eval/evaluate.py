@@ -201,12 +201,16 @@ def llama_cpp_variants(gguf: str, kv_pairs: list[tuple[str, str]], config, ctx: 
     return out
 
 
-def decode_tps(model, tokenizer, kv: str, n: int = 32) -> float:
-    """Single-stream decode tok/s through the engine (greedy, fast kernels), after a short prompt."""
+def decode_tps(model, tokenizer, kv: str | list, n: int = 32) -> float:
+    """Single-stream decode tok/s through the engine (greedy, fast kernels), after a short prompt. kv: a format
+    name, or one KVFormat per KV layer (a recipe's)."""
     from lowbit.runtime.engine.engine import Engine
     from lowbit.runtime.engine.sampler import SamplingParams
 
-    engine = Engine(model, tokenizer, EngineConfig(kv_format=kv, kv_memory=16 << 20))
+    named = isinstance(kv, str)
+    config = EngineConfig(kv_format=kv if named else "f16", kv_layers=None if named else tuple(f.name for f in kv),
+                          kv_memory=16 << 20)
+    engine = Engine(model, tokenizer, config)
     engine.add_request(list(range(1, 17)), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     engine.step()  # the prompt
     t0, made = time.perf_counter(), 0

@@ -56,8 +56,10 @@ def progress_bar(total: int, desc: str, enabled: bool, unit: str = "layer"):
 
 
 def load(ref: str | None, weights: str = "auto", progress: bool | None = None, device: str = "auto",
-         dtype: str = "float16", shard: Shard | None = None, backend=None) -> LoadedModel:
+         dtype: str = "float16", shard: Shard | None = None, backend=None, recipe=None) -> LoadedModel:
     """weights: `auto` (GGUF: lossless native layouts; safetensors: int4-g32) or a layout name.
+    recipe: a runtime/load/recipe.py Recipe (`lowbit fit`'s), which names each matrix's layout in place of
+    `weights`; its KV formats are the engine's to take (EngineConfig.kv_layers).
     device: auto (CUDA when there is a GPU and Triton) | cpu | cuda[:N]; dtype: the activations'
     on CUDA, float16 | bfloat16 (CPU computes in fp32). shard: build only this tensor-parallel
     rank's slice of the model (models/sharding.py; runtime/engine/tp.py starts the ranks). backend:
@@ -71,6 +73,8 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
     say = (lambda s: print(f"lowbit: {s}", file=sys.stderr)) if progress else None
     path = resolve(ref, progress=say)
     t0 = time.perf_counter()
+    if recipe is not None and weights != "auto":
+        raise LowbitError(f"--weights {weights} and --recipe: the recipe sets every tensor's layout; give one of them")
     try:
         spec = None if weights == "auto" else parse_weights(weights)
     except ValueError as e:
@@ -89,6 +93,9 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         update, close = progress_bar(n_layers, f"loading {path.name}", progress)
         try:
             config, w, cfg = load_hf_dir(path, spec, update)
+            if recipe is not None:  # each layout's conversion held whole: a checkpoint is converted as it is read
+                base = w
+                w = _recipe_weights(recipe, lambda s: base if (s or spec) == spec else load_hf_dir(path, s or spec)[1])
         except ValueError as e:  # a layout that cannot hold this model (e.g. bnb-nf4 on odd widths)
             raise LowbitError(f"{path}: {e}") from None
         finally:
@@ -110,6 +117,9 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
         update, close = progress_bar(int(meta.get(f"{arch}.block_count", 0) or 0), f"loading {path.name}", progress)
         try:
             config, w, _ = load_gguf(gguf, spec, update, note=lambda s: print(f"lowbit: note: {s}", file=sys.stderr))
+            if recipe is not None:  # every layout's weights read lazily: the peak is still the model + one layer
+                base = w
+                w = _recipe_weights(recipe, lambda s: base if s is None else load_gguf(gguf, s, update)[1])
         except ValueError as e:
             close()
             raise LowbitError(f"{path}: {e}") from None
@@ -119,6 +129,11 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
             raise LowbitError(f"{path}: {e}") from None
         source, used = "gguf", weights
         sampling = gguf_defaults(meta)
+    if recipe is not None:
+        from lowbit.runtime.load.recipe import check
+
+        check(recipe, w, config.n_kv_layers, path.name)
+        used = f"recipe {recipe.name}"
     tp = None
     if shard is not None:
         try:
@@ -137,6 +152,14 @@ def load(ref: str | None, weights: str = "auto", progress: bool | None = None, d
             close()
     del w
     return LoadedModel(model, tokenizer, config, path, source, used, time.perf_counter() - t0, sampling)
+
+
+def _recipe_weights(recipe, weights_at):
+    """The recipe's weights (runtime/load/recipe.py chosen): weights_at(spec) → the model's weights at that
+    layout (spec None: `auto`)."""
+    from lowbit.runtime.load.recipe import chosen
+
+    return chosen(recipe, {name: weights_at(None if name == "auto" else parse_weights(name)) for name in recipe.used})
 
 
 def _check_fits(path: Path, tensors: list[tuple[int, bool, int]], spec, backend, shard) -> None:
