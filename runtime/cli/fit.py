@@ -78,18 +78,47 @@ def cmd_fit(args) -> int:
 
 
 def _fit(args, budget: int, bits: list[int]) -> int:
+    from lowbit.runtime.eval.fit import at_ctx, choose, fixed_bytes, recipe_of, score_recipe
+    from lowbit.runtime.load.loader import read_weights
+    from lowbit.runtime.load.recipe import write
+
+    saved, path, lossless, layouts, backend = _inputs(args)
+    config, ref_w = read_weights(path, lossless)
+    ctx = parse_tokens(args.ctx) if args.ctx else config.max_seq_len
+    at = {lossless: ref_w}
+
+    def weights_at(layout: str):  # a GGUF's weights are lazy: asking again costs a mapping, not a model
+        return at[layout] if layout in at else read_weights(path, layout)[1]
+
+    bar = _bar if sys.stderr.isatty() else _line
+    n = saved.ids.shape[0]
+    print(f"fitting {path.name} into {budget / MIB:,.1f} MiB (weights + KV for {ctx:,} tokens) against "
+          f"{Path(args.reference).name}: {n} window{'s' * (n > 1)} of {saved.ctx}", file=sys.stderr)
+    items = at_ctx(_measurements(args, saved, path, config, ref_w, weights_at, lossless, layouts, bits, ctx, budget,
+                                 backend, bar), ctx)
+    fixed = fixed_bytes(ref_w, items)
+    try:
+        choose(items, budget - fixed)
+    except ValueError as e:
+        raise LowbitError(f"{path.name} does not fit {args.memory} with a KV cache of {ctx:,} tokens: {e} (give more "
+                          "--memory, a smaller --ctx, or smaller --layouts)") from None
+    recipe = recipe_of(items, config, path.name, lossless, ctx, budget, fixed)
+    rows = score_recipe(saved, config, recipe, weights_at, [lossless, *layouts], backend, bar)
+    recipe.measured["reference"] = Path(args.reference).name
+    write(recipe, Path(args.out))
+    print(report(recipe, items, rows, budget))
+    print(f"recipe: {args.out} (run it: lowbit serve {args.model} --recipe {args.out})", file=sys.stderr)
+    return 0
+
+
+def _inputs(args):
+    """→ (the reference's windows, the model's path, its lossless layout, the other layouts, the backend), each
+    checked in one line."""
     from lowbit.models.backend import select_backend
     from lowbit.quant import parse_weights
-    from lowbit.quant.kv import parse_kv_format
     from lowbit.runtime.eval.attribution import first_windows
-    from lowbit.runtime.eval.candidates import score
-    from lowbit.runtime.eval.fit import (at_ctx, build, choose, fixed_bytes, held, kv_bytes, least_bytes, measure,
-                                         recipe_of, uniforms)
-    from lowbit.runtime.eval.fit import load as load_data
-    from lowbit.runtime.eval.fit import save as save_data
     from lowbit.runtime.eval.reference import pieces_of, read, tokenizer_mismatch
-    from lowbit.runtime.load.loader import lossless_weights, read_tokenizer, read_weights
-    from lowbit.runtime.load.recipe import write
+    from lowbit.runtime.load.loader import lossless_weights, read_tokenizer
     from lowbit.runtime.load.registry import resolve
 
     try:
@@ -111,58 +140,38 @@ def _fit(args, budget: int, bits: list[int]) -> int:
         backend = select_backend("auto", "float16")
     except (ValueError, RuntimeError) as e:
         raise LowbitError(str(e)) from None
-    config, ref_w = read_weights(path, lossless)
-    ctx = parse_tokens(args.ctx) if args.ctx else config.max_seq_len
-    at = {lossless: ref_w}
+    return saved, path, lossless, layouts, backend
 
-    def weights_at(layout: str):  # a GGUF's weights are lazy: asking again costs a mapping, not a model
-        return at[layout] if layout in at else read_weights(path, layout)[1]
 
-    bar = _bar if sys.stderr.isatty() else None
-    n = saved.ids.shape[0]
-    print(f"fitting {path.name} into {budget / MIB:,.1f} MiB (weights + KV for {ctx:,} tokens) against "
-          f"{Path(args.reference).name}: {n} window{'s' * (n > 1)} of {saved.ctx}", file=sys.stderr)
-    ref = saved.meta
-    key = {"model": path.name, "bytes": path.stat().st_size if path.is_file() else None, "reference": ref.get("model"),
-           "text_sha256": ref.get("text_sha256"), "ctx": saved.ctx, "windows": n, "layouts": layouts, "kv_bits": bits}
+def _measurements(args, saved, path, config, ref_w, weights_at, lossless, layouts, bits, ctx, budget, backend, bar):
+    """The items (runtime/eval/fit.py measure): read back from --data when it holds this model's, reference's and
+    options', else measured (and kept there); refused first when no choice can fit the budget."""
+    from lowbit.runtime.eval.fit import least_bytes, measure
+    from lowbit.runtime.eval.fit import load as load_data
+    from lowbit.runtime.eval.fit import save as save_data
+
     floor = least_bytes(config, ref_w, layouts, bits, ctx)
     if floor > budget:  # before an hour of measuring on an 8B model
         raise LowbitError(f"{path.name} does not fit {args.memory} with a KV cache of {ctx:,} tokens: every matrix "
                           f"at its smallest layout and every KV side at {min(bits, default=16)} bits take "
                           f"{floor / MIB:,.1f} MiB (give more --memory, a smaller --ctx, or smaller --layouts)")
+    ref = saved.meta
+    key = {"model": path.name, "bytes": path.stat().st_size if path.is_file() else None, "reference": ref.get("model"),
+           "text_sha256": ref.get("text_sha256"), "ctx": saved.ctx, "windows": saved.ids.shape[0],
+           "layouts": layouts, "kv_bits": bits}
     cached = load_data(Path(args.data), key) if args.data else None
-    if cached is None:
-        items, wholes = measure(saved, config, ref_w, weights_at, lossless, layouts, bits, backend, bar)
-        if args.data:
-            save_data(Path(args.data), key, items, wholes)
-    else:
-        items, wholes = cached
+    if cached is not None:
         print(f"measurements: {args.data} (this model, reference and options: not measured again)", file=sys.stderr)
-    items = at_ctx(items, ctx)
-    fixed = fixed_bytes(ref_w, items)
-    try:
-        choose(items, budget - fixed)
-    except ValueError as e:
-        raise LowbitError(f"{path.name} does not fit {args.memory} with a KV cache of {ctx:,} tokens: {e} (give more "
-                          "--memory, a smaller --ctx, or smaller --layouts)") from None
-    recipe = recipe_of(items, config, path.name, lossless, ctx, budget, fixed)
-    model = build(config, recipe, weights_at, backend)
-    kv = [parse_kv_format(k) for k in recipe.kv]
-    s = score(saved, model, [kv])[0]
-    recipe.measured = {"kl": s["kl_mean"], "kl_tail_bound": s["kl_tail_bound"], "top1_pct": s["top1_pct"],
-                       "ppl": s["ppl"], "weight_bytes": held(model), "kv_bytes": kv_bytes(config, kv, ctx),
-                       "windows": n, "reference": Path(args.reference).name}
-    del model
-    rows = uniforms(saved, config, weights_at, [lossless, *layouts], ctx, budget, backend, bar)
-    fit = [r for r in rows if r.kl]
-    if fit:
-        best = min(fit, key=lambda r: r.kl["kl_mean"])
-        recipe.measured["best_uniform"] = {"weights": best.weights, "kv": best.kv, "bytes": best.bytes,
-                                           "kl": best.kl["kl_mean"], "kl_tail_bound": best.kl["kl_tail_bound"]}
-    write(recipe, Path(args.out))
-    print(report(recipe, items, rows, budget))
-    print(f"recipe: {args.out} (run it: lowbit serve {args.model} --recipe {args.out})", file=sys.stderr)
-    return 0
+        return cached
+    items = measure(saved, config, ref_w, weights_at, lossless, layouts, bits, backend, bar)
+    if args.data:
+        save_data(Path(args.data), key, items)
+    return items
+
+
+def _line(total: int, desc: str) -> None:
+    """Progress where stderr is a log, not a terminal: one line per stage."""
+    print(f"lowbit: {desc}: {total} window scorings", file=sys.stderr, flush=True)
 
 
 def _bar(total: int, desc: str):

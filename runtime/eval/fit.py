@@ -106,18 +106,15 @@ def kv_bytes(config, kv: list[KVFormat], ctx: int) -> int:
 
 
 def measure(saved: SavedReference, config, ref_w: Mapping, weights_at: Callable[[str], Mapping], lossless: str,
-            layouts: list[str], kv_bits: list[int], backend, progress=None) -> tuple[list[Item], dict]:
-    """The items, each with its measured options (a KV side's bytes per token: `at_ctx` sizes them), and the
-    whole model's KL at each uniform layout (f16 KV).
+            layouts: list[str], kv_bits: list[int], backend, progress=None) -> list[Item]:
+    """The items, each with its measured options (a KV side's bytes per token: `at_ctx` sizes them).
     weights_at(layout) → the model's weights at that layout (runtime/load/loader.py read_weights);
     progress(total, desc) → a tqdm-like bar, or None."""
     items: dict[str, Item] = {}
-    wholes = {}
     for layout in layouts:
         cand_w = weights_at(layout)
         att = attribute(saved, config, ref_w, cand_w, backend, None,
-                        (lambda n, d=layout: progress(n, d)) if progress else None)
-        wholes[layout] = att.whole
+                        (lambda n, d=f"each tensor alone at {layout}": progress(n, d)) if progress else None)
         for p in att.parts:
             it = items.setdefault(p.name, Item(p.name, p.layer, p.kind, p.keys,
                                                [Option(lossless, sum(nbytes(ref_w[k]) for k in p.keys), 0.0)]))
@@ -126,12 +123,12 @@ def measure(saved: SavedReference, config, ref_w: Mapping, weights_at: Callable[
         gc.collect()
     for bits in kv_bits:
         att = attribute(saved, config, ref_w, ref_w, backend, side_format(bits, bits),
-                        (lambda n, d=f"K and V at {bits} bits": progress(n, d)) if progress else None)
+                        (lambda n, d=f"each K and V alone at {bits} bits": progress(n, d)) if progress else None)
         for p in att.parts:
             it = items.setdefault(p.name, Item(p.name, p.layer, p.kind, (),
                                                [Option("16", kv_side_bytes(config, 16, p.kind), 0.0)]))
             it.options.append(Option(str(bits), kv_side_bytes(config, bits, p.kind), p.kl_mean))
-    return list(items.values()), wholes
+    return list(items.values())
 
 
 def least_bytes(config, ref_w: Mapping, layouts: list[str], kv_bits: list[int], ctx: int) -> int:
@@ -157,12 +154,12 @@ def at_ctx(items: list[Item], ctx: int) -> list[Item]:
             for it in items]
 
 
-def save(path: Path, key: dict, items: list[Item], wholes: dict) -> None:
+def save(path: Path, key: dict, items: list[Item]) -> None:
     """The measurements, for another budget or context without measuring again (`lowbit fit --data`)."""
-    path.write_text(json.dumps({"key": key, "wholes": wholes, "items": [asdict(it) for it in items]}) + "\n")
+    path.write_text(json.dumps({"key": key, "items": [asdict(it) for it in items]}) + "\n")
 
 
-def load(path: Path, key: dict) -> tuple[list[Item], dict] | None:
+def load(path: Path, key: dict) -> list[Item] | None:
     """The measurements saved in `path` for this key (model, reference, windows, options), or None."""
     try:
         doc = json.loads(path.read_text())
@@ -172,7 +169,7 @@ def load(path: Path, key: dict) -> tuple[list[Item], dict] | None:
                  for d in doc["items"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return items, doc["wholes"]
+    return items
 
 
 def fixed_bytes(ref_w: Mapping, items: list[Item]) -> int:
@@ -225,7 +222,7 @@ def uniforms(saved: SavedReference, config, weights_at: Callable[[str], Mapping]
                 for kv in kvs]
         fit = [r for r in rows if r.bytes <= budget]
         if fit:
-            bar = progress(saved.ids.shape[0], f"uniform {layout}") if progress else None
+            bar = progress(saved.ids.shape[0], f"every KV format that fits at {layout}") if progress else None
             try:
                 for r, s in zip(fit, score(saved, model, [r.kv for r in fit], bar)):
                     r.kl = s
@@ -236,3 +233,24 @@ def uniforms(saved: SavedReference, config, weights_at: Callable[[str], Mapping]
         del model
         gc.collect()
     return out
+
+
+def score_recipe(saved: SavedReference, config, recipe: Recipe, weights_at: Callable[[str], Mapping],
+                 layouts: list[str], backend, progress=None) -> list[Uniform]:
+    """Build the recipe and score it against the reference (its figures and bytes into recipe.measured, with the
+    best uniform choice that fits the same budget) → every uniform row (`uniforms`)."""
+    model = build(config, recipe, weights_at, backend)
+    kv = [parse_kv_format(k) for k in recipe.kv]
+    s = score(saved, model, [kv])[0]
+    recipe.measured = {"kl": s["kl_mean"], "kl_tail_bound": s["kl_tail_bound"], "top1_pct": s["top1_pct"],
+                       "ppl": s["ppl"], "weight_bytes": held(model), "kv_bytes": kv_bytes(config, kv, recipe.ctx),
+                       "windows": saved.ids.shape[0]}
+    del model
+    gc.collect()
+    rows = uniforms(saved, config, weights_at, layouts, recipe.ctx, recipe.memory_bytes, backend, progress)
+    fit = [r for r in rows if r.kl]
+    if fit:
+        best = min(fit, key=lambda r: r.kl["kl_mean"])
+        recipe.measured["best_uniform"] = {"weights": best.weights, "kv": best.kv, "bytes": best.bytes,
+                                           "kl": best.kl["kl_mean"], "kl_tail_bound": best.kl["kl_tail_bound"]}
+    return rows
