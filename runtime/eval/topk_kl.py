@@ -8,7 +8,15 @@ candidate Q (all of it, computed now):
 
 The first sum is exact. The tail's expectation is estimated from m tokens the reference drew from its own
 tail (P restricted to T; their ids and log p are saved): an unbiased estimate, whose standard error is
-known from the draws' spread. The tail matters: at k = 64 the default model leaves 12% of its mass
+known from the draws' spread. The candidate's tail mass Q_T is known exactly, which makes a control variate:
+with x = (q_i / p_i) / (Q_T / P_T), whose mean over P|T is exactly 1,
+
+    sum_T p log(p/q)  =  P_T log(P_T / Q_T)  +  P_T * E[x - 1 - log x]
+
+The first term is the log-sum inequality's floor; the second averages a quantity that is >= 0 and flat at
+x = 1 (second order in log x where log(p/q) is first order), so the same draws give a narrower interval:
+on the held-out check's Q4_0 (10 windows of 512) the plain mean of log(p/q) had missed the full-logit KL
+by 8.0e-4 against its own ±7.8e-4. The tail matters: at k = 64 the default model leaves 12% of its mass
 outside the top k, and the top k alone miss 20% of int8's KL (0.00203 of 0.00254) and 16% of
 int4-g128's; no bound from the tail's mass alone is tight (the log-sum inequality gives the lower bound
 P_T log(P_T / Q_T), kept as `kl_lower`; the worst case above it puts the mass on the candidate's least
@@ -33,17 +41,23 @@ def token_kl(ref: dict, got: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     """ref: the saved rows of n tokens (top_ids/top_lp [n, k], log_tail [n], tail_ids/tail_lp [n, m]); got: the
     candidate's log-probs [n, V]. → (the KL estimate [n], its sampling variance [n], the lower bound [n]),
     float64."""
+    # the candidate's tail mass, as the reference computed its own (runtime/eval/reference.py: fp32 logsumexp over
+    # the same ids), so that a candidate equal to the reference scores exactly 0
+    log_qt = got.float().scatter(1, ref["top_ids"].long(), float("-inf")).logsumexp(-1).double()
     got = got.double()
     top_lp = ref["top_lp"].double()
     kl_top = (top_lp.exp() * (top_lp - got.gather(1, ref["top_ids"].long()))).sum(-1)  # [n]
     log_pt = ref["log_tail"].double()
     pt = log_pt.exp()
-    f = ref["tail_lp"].double() - got.gather(1, ref["tail_ids"].long())  # [n, m]: log p - log q at the draws
-    m = f.shape[1]
-    estimate = kl_top + pt * f.mean(-1)
-    variance = (pt * f.std(-1)) ** 2 / m if m > 1 else torch.zeros_like(pt)
-    log_qt = got.scatter(1, ref["top_ids"].long(), float("-inf")).logsumexp(-1)  # the candidate's tail mass
-    lower = kl_top + torch.where(pt > 0, pt * (log_pt - log_qt), torch.zeros_like(pt))
+    gap = torch.where(pt > 0, log_pt - log_qt, torch.zeros_like(pt))  # log(P_T / Q_T)
+    lower = kl_top + pt * gap
+    # at the draws, log x = log(q/p) - log(Q_T/P_T), whose x has mean 1 over P|T exactly; the tail's share is
+    # P_T * (gap + E[x - 1 - log x]), and x - 1 - log x (>= 0, 0 at x = 1) varies far less than log(p/q)
+    log_x = got.gather(1, ref["tail_ids"].long()) - ref["tail_lp"].double() + gap[:, None]  # [n, m]
+    g = torch.expm1(log_x) - log_x
+    m = g.shape[1]
+    estimate = lower + pt * g.mean(-1)
+    variance = (pt * g.std(-1)) ** 2 / m if m > 1 else torch.zeros_like(pt)
     return estimate, variance, lower
 
 
