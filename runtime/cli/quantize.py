@@ -1,5 +1,6 @@
-"""`lowbit quantize MODEL --weights LAYOUT --out FILE`: a GGUF in one of lowbit's layouts that GGUF has a type
-for, which lowbit and llama.cpp both load. The writing is runtime/load/gguf_write.py's."""
+"""`lowbit quantize MODEL --weights LAYOUT | --recipe R --out FILE`: a GGUF in lowbit's layouts that GGUF has a
+type for (one for every tensor, or each tensor's from a `lowbit fit` recipe), which lowbit and llama.cpp both load.
+The writing is runtime/load/gguf_write.py's."""
 
 from __future__ import annotations
 
@@ -26,17 +27,24 @@ def add_quantize_parser(sub) -> None:
                                    "converted to GGUF by llama.cpp's convert_hf_to_gguf.py first.")
     q.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help=f"alias (default: {DEFAULT_MODEL}), hf:ORG/REPO[:QUANT] or .gguf path")
-    q.add_argument("--weights", required=True, metavar="LAYOUT", help=LAYOUT_HELP)
+    how = q.add_mutually_exclusive_group(required=True)
+    how.add_argument("--weights", metavar="LAYOUT", help=LAYOUT_HELP)
+    how.add_argument("--recipe", metavar="FILE",
+                     help="a `lowbit fit` recipe: each tensor in its weights' layout (fit it with --layouts that GGUF "
+                          "has a type for: int4-sym-g32, int4-g32, int8-g32, f16, bf16); its KV formats are not part "
+                          "of a GGUF: run the file with --recipe for them")
     q.add_argument("--out", "-o", required=True, type=Path, help="the GGUF file to write (replaced if it exists)")
 
 
 def cmd_quantize(args) -> int:
+    from lowbit.runtime.cli.engine_args import read_recipe
     from lowbit.runtime.load.gguf_file import GGUFFile
-    from lowbit.runtime.load.gguf_write import parse_layout, write_gguf
+    from lowbit.runtime.load.gguf_write import parse_layout, recipe_specs, write_gguf
     from lowbit.runtime.load.loader import progress_bar
     from lowbit.runtime.load.registry import resolve
 
-    spec = parse_layout(args.weights)  # a bad layout fails before anything is resolved or pulled
+    recipe = read_recipe(args)
+    spec = None if recipe is not None else parse_layout(args.weights)  # a bad layout fails before any pull
     show = sys.stderr.isatty()
     path = resolve(args.model, progress=(lambda s: print(f"lowbit: {s}", file=sys.stderr)) if show else None)
     if path.is_dir():
@@ -44,8 +52,9 @@ def cmd_quantize(args) -> int:
                           "with llama.cpp's convert_hf_to_gguf.py (e.g. --outtype f16), then quantize that file")
     source = GGUFFile(path)
     update, close = progress_bar(len(source.tensors), f"writing {args.out.name}", show, unit="tensor")
+    per_tensor = recipe_specs(source, recipe) if recipe is not None else None
     try:
-        done = write_gguf(source, args.out, spec, update)
+        done = write_gguf(source, args.out, spec, update, per_tensor)
     finally:
         close()
     types = ", ".join(f"{k} {n}" for k, n in done.types.items())

@@ -88,6 +88,11 @@ class LazyWeights(Mapping):
     def __contains__(self, name) -> bool:  # Mapping's would read the tensor (the model asks `"output" in w`)
         return name in self._make
 
+    def tensor_name(self, name: str) -> str | None:
+        """The GGUF tensor weight `name` is read from (None for one made otherwise): `lowbit quantize --recipe`
+        writes each file tensor in the layout the recipe gives its weights."""
+        return getattr(self._make[name], "tensor", None)
+
     def __iter__(self):
         return iter(self._make)
 
@@ -167,6 +172,7 @@ def load_gguf(source: Path | GGUFFile, target: WeightSpec | None, progress: Call
             else:
                 w = load_matrix(f.read(t), t.tensor_type, N, K, spec)
             return w if rows is None else w.rows(rows)
+        make.tensor = name
         return make
 
     c = config

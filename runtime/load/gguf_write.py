@@ -29,6 +29,7 @@ is the same file, byte for byte.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,21 +132,56 @@ def _converted(f: GGUFFile, t: TensorInfo, qtype: T) -> np.ndarray:
     return np.concatenate(out, axis=0).reshape(-1)
 
 
+def recipe_specs(source: GGUFFile, recipe) -> dict[str, WeightSpec | None]:
+    """The spec each file tensor is written in under a `lowbit fit` recipe (runtime/load/recipe.py): its weights'
+    layout (a fused tensor whose weights the recipe splits takes the one of most bytes: the most faithful).
+    One line when a layout has no GGUF type."""
+    from lowbit.runtime.load.fits import spec_bytes
+    from lowbit.runtime.load.gguf import load_gguf
+    from lowbit.runtime.load.recipe import check
+
+    config, w, _ = load_gguf(source, None)
+    check(recipe, w, config.n_kv_layers, source.path.name)
+    by_tensor: dict[str, set[str]] = {}
+    for key in w:
+        name = w.tensor_name(key)
+        if name is not None:
+            by_tensor.setdefault(name, set()).add(recipe.layout_of(key))
+    out = {}
+    for name, layouts in by_tensor.items():
+        specs = []
+        for layout in layouts:
+            try:
+                specs.append(parse_layout(layout))
+            except LowbitError:
+                raise LowbitError(f"the recipe's layout {layout} has no GGUF type; lowbit quantize writes "
+                                  f"{writable_names()} (fit with those --layouts to write its recipe)") from None
+        out[name] = None if None in specs else max(specs, key=lambda s: spec_bytes(1 << 20, s))
+    return out
+
+
 def _nbytes(t: TensorInfo, qtype: T) -> int:
     block, size = GGML_QUANT_SIZES[qtype]
     return t.n_elements // block * size
 
 
 def write_gguf(source: GGUFFile, out: Path, spec: WeightSpec | None,
-               progress: Callable[[int], None] | None = None) -> Written:
-    """`source` with its tensors in `spec`'s GGUF type (None: as stored) → `out`. progress(i) after tensor i."""
+               progress: Callable[[int], None] | None = None,
+               per_tensor: dict[str, WeightSpec | None] | None = None) -> Written:
+    """`source` with its tensors in `spec`'s GGUF type (None: as stored) → `out`. progress(i) after tensor i.
+    per_tensor: a spec for each named file tensor in place of `spec` (a recipe's: `recipe_specs`); the file type
+    written is then the one most of its quantized tensors take."""
     out = Path(out)
     if not out.parent.is_dir():
         raise LowbitError(f"cannot write {out}: directory {out.parent} does not exist")
     if out.exists() and (out.is_dir() or out.samefile(source.path)):
         raise LowbitError(f"cannot write {out}: it is {'a directory' if out.is_dir() else 'the model being read'}")
     tied = not any(t.name == HEAD for t in source.tensors)
-    plan = [(t, target_type(t, spec, tied)) for t in source.tensors]
+    specs = {t.name: (per_tensor or {}).get(t.name, spec) for t in source.tensors}
+    plan = [(t, target_type(t, specs[t.name], tied)) for t in source.tensors]
+    if per_tensor is not None:  # the file type of most of what was asked for (llama.cpp's ftype names one)
+        asked = Counter(s.name for s in specs.values() if s is not None)
+        spec = parse_weights(asked.most_common(1)[0][0]) if asked else None
     for t, qtype in plan:  # every type checked before a byte is written
         if qtype != t.tensor_type and t.tensor_type not in SUPPORTED:
             raise LowbitError(f"{source.path}: tensor {t.name} has type {t.tensor_type.name}, which lowbit cannot "
