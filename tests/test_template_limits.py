@@ -326,8 +326,11 @@ def test_server_answers_400_and_stays_healthy(api):
             err = err["message"]
         assert "chat template timed out after 2 s" in err
         assert SERVER_LIMIT <= box["s"] < SERVER_LIMIT + MARGIN
-        # the render ran off the event loop: /health answered, promptly, all the while
-        assert len(during) >= 5 and all(code == 200 and s < 0.5 for code, s in during), during
+        # the render ran off the event loop: /health answered all the while. On the loop, a /health asked during
+        # the render would wait for all of it (SERVER_LIMIT, 2 s) and few would be asked; off it they take
+        # ~0.02 s, but one in the full suite once took over 0.5 s (a 2.6 GB test process: a pause of the
+        # whole process, not the loop), so the bound is half the render, which still tells the two apart
+        assert len(during) >= 5 and all(code == 200 and s < SERVER_LIMIT / 2 for code, s in during), during
         assert http.get("/health").status_code == 200
         ok = http.post(path, json=body("hello"))
         assert ok.status_code == 200, ok.text
