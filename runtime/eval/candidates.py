@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from lowbit.quant.kv import KV_FORMATS
+from lowbit.runtime.engine.kv_cache import bytes_per_token
 from lowbit.runtime.eval.evaluate import Row, window_logprobs
 from lowbit.runtime.eval.reference import SavedReference, pieces_of, tokenizer_mismatch
 from lowbit.runtime.eval.topk_kl import TopkScores
@@ -56,11 +57,12 @@ def candidate_rows(saved: SavedReference, models: list[str], weights: list[str],
                     bar.close()
             mc = lm.config
             for kv, s in zip(kvs, summaries):
-                per_layer = [KV_FORMATS[kv]] * mc.n_kv_layers if isinstance(kv, str) else kv
+                named = isinstance(kv, str)
                 rows.append(Row(
-                    weights=w, kv=kv if isinstance(kv, str) else "per layer", weight_bytes=lm.weight_bytes,
+                    weights=w, kv=kv if named else "per layer", weight_bytes=lm.weight_bytes,
                     bits_per_weight=8 * lm.weight_bytes / c["weight_elements"],
-                    kv_bytes_per_token=sum(f.bytes_per_token(1, mc.n_kv_heads, mc.head_dim) for f in per_layer),
+                    kv_bytes_per_token=bytes_per_token(KV_FORMATS[kv] if named else kv[0], mc.n_kv_layers,
+                                                       mc.n_kv_heads, mc.head_dim, None if named else kv),
                     dppl_pct=100 * (s["ppl"] / c["ppl"] - 1), model=Path(lm.path).name,
                     decode_tps=speed(lm, kv) if speed else None,
                     **{k: v for k, v in s.items() if k in Row.__dataclass_fields__}))

@@ -26,6 +26,7 @@ import torch
 
 from lowbit.models.llama import Llama
 from lowbit.quant.kv import KV_FORMATS, KVFormat, parse_kv_format, side_format
+from lowbit.runtime.engine.kv_cache import bytes_per_token
 from lowbit.runtime.eval.attribution import attribute
 from lowbit.runtime.eval.candidates import score
 from lowbit.runtime.eval.heatmap import SIDES
@@ -102,7 +103,7 @@ def kv_side_bytes(config, bits: int, side: str) -> int:
 
 def kv_bytes(config, kv: list[KVFormat], ctx: int) -> int:
     """A pool of one format per attention layer, for one sequence of ctx tokens."""
-    return sum(f.bytes_per_token(1, config.n_kv_heads, config.head_dim) for f in kv) * ctx
+    return bytes_per_token(kv[0], len(kv), config.n_kv_heads, config.head_dim, kv) * ctx
 
 
 def measure(saved: SavedReference, config, ref_w: Mapping, weights_at: Callable[[str], Mapping], lossless: str,
