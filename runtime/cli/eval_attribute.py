@@ -13,14 +13,29 @@ from lowbit.runtime.errors import LowbitError
 ATTRIBUTE_TOP = 30  # rows of each table printed; --attribute-out keeps them all
 
 
+def scoring_backend(saved, path: Path):
+    """The backend a model built part by part from `path` is scored on against `saved` (a SavedReference), once
+    its tokenizer is checked to be the reference's (one line else): `--attribute`'s and `lowbit fit`'s."""
+    from lowbit.models.backend import select_backend
+    from lowbit.runtime.eval.reference import pieces_of, tokenizer_mismatch
+    from lowbit.runtime.load.loader import read_tokenizer
+
+    why = tokenizer_mismatch(saved.pieces, pieces_of(read_tokenizer(path)))
+    if why is not None:
+        raise LowbitError(f"{path.name}: its tokenizer is not the reference's ({saved.meta.get('model')}): {why}")
+    try:
+        return select_backend("auto", "float16")
+    except (ValueError, RuntimeError) as e:
+        raise LowbitError(str(e)) from None
+
+
 def cmd_attribute(args) -> int:
     """`lowbit eval --reference REF MODEL --weights LAYOUT [--kv FORMAT] --attribute`."""
-    from lowbit.models.backend import select_backend
     from lowbit.quant.kv import KV_FORMATS
     from lowbit.runtime.cli.eval import AS_STORED
     from lowbit.runtime.eval.attribution import attribute, first_windows, table
-    from lowbit.runtime.eval.reference import pieces_of, read, tokenizer_mismatch
-    from lowbit.runtime.load.loader import lossless_weights, read_tokenizer, read_weights
+    from lowbit.runtime.eval.reference import read
+    from lowbit.runtime.load.loader import lossless_weights, read_weights
     from lowbit.runtime.load.registry import resolve
 
     ref_path, models = Path(args.reference[0]), args.reference[1:] or [args.model]
@@ -46,13 +61,7 @@ def cmd_attribute(args) -> int:
     if layout == lossless and kv.k_bits >= 16 and kv.v_bits >= 16:
         raise LowbitError(f"--attribute: nothing to attribute: give a --weights layout other than {lossless} (the "
                           "file's lossless one) or a quantized --kv")
-    why = tokenizer_mismatch(saved.pieces, pieces_of(read_tokenizer(path)))
-    if why is not None:
-        raise LowbitError(f"{path.name}: its tokenizer is not the reference's ({saved.meta.get('model')}): {why}")
-    try:
-        backend = select_backend("auto", "float16")
-    except (ValueError, RuntimeError) as e:
-        raise LowbitError(str(e)) from None
+    backend = scoring_backend(saved, path)
     config, ref_w = read_weights(path, lossless)
     cand_w = ref_w if layout == lossless else read_weights(path, layout)[1]
     n = saved.ids.shape[0]

@@ -114,11 +114,11 @@ def _fit(args, budget: int, bits: list[int]) -> int:
 def _inputs(args):
     """→ (the reference's windows, the model's path, its lossless layout, the other layouts, the backend), each
     checked in one line."""
-    from lowbit.models.backend import select_backend
     from lowbit.quant import parse_weights
+    from lowbit.runtime.cli.eval_attribute import scoring_backend
     from lowbit.runtime.eval.attribution import first_windows
-    from lowbit.runtime.eval.reference import pieces_of, read, tokenizer_mismatch
-    from lowbit.runtime.load.loader import lossless_weights, read_tokenizer
+    from lowbit.runtime.eval.reference import read
+    from lowbit.runtime.load.loader import lossless_weights
     from lowbit.runtime.load.registry import resolve
 
     try:
@@ -133,14 +133,7 @@ def _inputs(args):
             parse_weights(w)
         except ValueError as e:
             raise LowbitError(f"--layouts: {e}") from None
-    why = tokenizer_mismatch(saved.pieces, pieces_of(read_tokenizer(path)))
-    if why is not None:
-        raise LowbitError(f"{path.name}: its tokenizer is not the reference's ({saved.meta.get('model')}): {why}")
-    try:
-        backend = select_backend("auto", "float16")
-    except (ValueError, RuntimeError) as e:
-        raise LowbitError(str(e)) from None
-    return saved, path, lossless, layouts, backend
+    return saved, path, lossless, layouts, scoring_backend(saved, path)
 
 
 def _measurements(args, saved, path, config, ref_w, weights_at, lossless, layouts, bits, ctx, budget, backend, bar):
