@@ -230,3 +230,29 @@ def truncated(src: GGUFFile, dst, layers: int):
         w.write_tensor_data(src.read(t))
     w.close()
     return dst
+
+
+def paged_backend(name: str, cuda: bool = True):
+    """What PagedAttention reads of a backend, by name. c: the C kernels (rows of sequences of <= 32 tokens
+    straight from the pages, longer chunks by SDPA); torch: SDPA for every row; triton: the fused path's Triton
+    kernels, under the interpreter on CPU (or on CUDA where `cuda` and a GPU are there). Skips where the C
+    kernels do not build, or Triton cannot run here."""
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from lowbit.kernels.triton_import import interpreting
+    from lowbit.models.backend import torch_backend
+
+    if name == "c":
+        native = torch_backend().native
+        if native is None:
+            pytest.skip("the C kernels do not build here")
+        return torch_backend(native)
+    if name == "torch":
+        return torch_backend(native=None)
+    if not (interpreting() or (cuda and torch.cuda.is_available())):
+        pytest.skip("Triton runs on CPU only under TRITON_INTERPRET=1")
+    return SimpleNamespace(fused_paged_attention=True, native=None,
+                           device=torch.device("cpu" if interpreting() else "cuda"))

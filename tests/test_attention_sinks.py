@@ -26,6 +26,7 @@ from lowbit.models.attention import PagedAttention, PagedBatch
 from lowbit.models.backend import torch_backend
 from lowbit.quant.kv import KV_FORMATS
 from lowbit.runtime.engine.kv_cache import KVPool
+from tests.helpers import paged_backend
 
 H, Hkv, D, P = 6, 2, 64, 4  # 3 query heads per KV head; pages of 4 tokens
 # (context once the step's tokens are written, new tokens): decodes over 1, 9 and 300 tokens (300: 3 chunks
@@ -87,23 +88,6 @@ def test_the_definition_is_transformers_gpt_oss_attention():
         plain = oracle(q, keys, values, pos, window, torch.full((H,), -torch.inf))
         assert (got - plain).abs().amax() > 0.1
         assert got[:, 5].abs().max() < 1e-9  # sink 30: every key's weight < e^-20
-
-
-def _backend(name: str):
-    """c: the C kernels (rows of sequences of <= 32 tokens straight from the pages, longer chunks by SDPA);
-    torch: SDPA for every row; triton: the fused path's Triton kernels (under the interpreter on CPU)."""
-    if name == "c":
-        native = torch_backend().native
-        if native is None:
-            pytest.skip("the C kernels do not build here")
-        return torch_backend(native)
-    if name == "torch":
-        return torch_backend(native=None)
-    if not (interpreting() or torch.cuda.is_available()):
-        pytest.skip("Triton runs on CPU only under TRITON_INTERPRET=1")
-    # what PagedAttention reads of a backend; on CPU the kernels run under the interpreter
-    return SimpleNamespace(fused_paged_attention=True, native=None,
-                           device=torch.device("cpu" if interpreting() else "cuda"))
 
 
 @dataclass
@@ -174,7 +158,7 @@ def test_every_path_matches_the_oracle(path, fmt, window):
     """A step of decodes over 1 to 300 tokens, a 2-token chunk and a 40-token prompt chunk, through each
     path, against transformers' gpt-oss attention: rows within TOL, and each off by far more without the
     sinks (so a path that ignores them, or counts one per chunk or split, fails)."""
-    backend = _backend(path)
+    backend = paged_backend(path)
     c = case(fmt, backend)
     got = attend(c, backend, SINKS.to(backend.device), window).double().cpu()
     torch.testing.assert_close(got, expected(c, window, SINKS), **TOL)
@@ -188,7 +172,7 @@ def test_sinks_of_minus_infinity_are_no_sinks_bit_for_bit(path, fmt):
     """A sink of -inf has no weight: every path gives the rows it gives without sinks, bit for bit (the
     C merge's max starts at the sink, SDPA's rows are scaled by sigmoid(+inf) = 1, the Triton merges
     start from a finite -1e30)."""
-    backend = _backend(path)
+    backend = paged_backend(path)
     minus_inf = torch.full((H,), -torch.inf, device=backend.device)
     rows = [attend(case(fmt, backend), backend, sinks, 5) for sinks in (minus_inf, None)]
     assert torch.equal(*rows)
@@ -199,7 +183,7 @@ def test_sinks_of_minus_infinity_are_no_sinks_bit_for_bit(path, fmt):
 def test_a_sequence_attends_alone_as_in_any_batch(path, window):
     """With sinks, a sequence's rows are the same bits alone and among the others, in any order: the C
     kernel's chunks and the sink's merge depend on the row alone, SDPA runs per sequence."""
-    backend = _backend(path)
+    backend = paged_backend(path)
     together = attend(case("k8v4", backend), backend, SINKS, window)
     starts = torch.tensor([0] + [n for _, n in SEQS]).cumsum(0).tolist()
     for order in ([4, 2], [3], [1, 0]):
@@ -213,7 +197,7 @@ def test_decode_rows_and_prompt_rows(path, window):
     """A 40-token chunk attended as a prompt (SDPA), as speculative rows one by one (the C kernel on the
     C backend), and token by token as 40 decode steps: the one-by-one rows are the decode rows bit for
     bit, the prompt rows equal them within TOL, and all match the oracle."""
-    backend = _backend(path)
+    backend = paged_backend(path)
     c = case("k8v4", backend, [(45, 40)])
     prompt = attend(c, backend, SINKS, window)
     spec = attend(c, backend, SINKS, window, one_by_one=[True])  # rewrites the same K/V bytes
@@ -251,7 +235,7 @@ def test_triton_decode_counts_the_sink_once_over_many_splits(window):
     (paged_attention_ref, with sinks), and the spec against transformers' gpt-oss attention."""
     from lowbit.kernels.paged_attention import batch_tensors, paged_attention, paged_attention_ref
 
-    backend = _backend("triton")
+    backend = paged_backend("triton")
     c = case("f16", backend, [(300, 1), (37, 1), (1, 1)])
     c.pool.write(0, c.k, c.v, c.slots)  # the step's own K/V, as PagedAttention writes them first
     cu, ctx, bt = batch_tensors([1, 1, 1], [300, 37, 1], c.tables, backend.device)

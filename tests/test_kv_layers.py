@@ -18,9 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels.triton_import import interpreting
 from lowbit.models.attention import PagedAttention, PagedBatch
-from lowbit.models.backend import torch_backend
 from lowbit.models.config import LlamaConfig
 from lowbit.models.llama import Llama
 from lowbit.models.synthetic import random_weights
@@ -30,7 +28,7 @@ from lowbit.runtime.engine.engine import Engine
 from lowbit.runtime.engine.kv_cache import KVPool
 from lowbit.runtime.engine.runner import Chunk, Runner
 from lowbit.runtime.engine.sampler import SamplingParams
-from tests.helpers import ByteTokenizer
+from tests.helpers import ByteTokenizer, paged_backend
 
 # a recipe of every kind of layer: f16 keys with int4 values, int8 both, int4 keys with f16 values, k8v4
 CYCLE = ("k16v4", "k8v8", "k4v16", "k8v4")
@@ -121,19 +119,6 @@ LAYERS = ("k16v4", "k4v16", "k8v4", "f16")  # f16 K + int4 V, int4 K + f16 V, bo
 SEQS = [(9, 1), (3, 2), (21, 1), (40, 36)]
 
 
-def backend_of(name: str):
-    if name == "c":
-        native = torch_backend().native
-        if native is None:
-            pytest.skip("the C kernels do not build here")
-        return torch_backend(native)
-    if name == "torch":
-        return torch_backend(native=None)
-    if not interpreting():
-        pytest.skip("Triton runs on CPU only under TRITON_INTERPRET=1")
-    return SimpleNamespace(fused_paged_attention=True, native=None, device=torch.device("cpu"))
-
-
 def mixed_step(backend) -> tuple[KVPool, list[torch.Tensor], list[torch.Tensor], dict]:
     """A pool of LAYERS over SEQS (scattered pages; each layer's cache drawn alike for every backend), one step
     through each layer → (pool, outputs [M, H*D] per layer, the K/V written per layer [ctx, Hkv, D] per
@@ -170,7 +155,7 @@ def test_attention_reads_each_layers_sides_as_they_are_stored(path):
     matches the plain-torch path at test_kv_quant.py's 1e-5 / 2e-6. Each side holds what was written: a float
     side its values exactly (never rotated), a quantized one within its bits' error (a side rotated on write
     but not back on read is off by ~1.4 x its norm)."""
-    pool, outs, written, step = mixed_step(backend_of(path))
+    pool, outs, written, step = mixed_step(paged_backend(path, cuda=False))
     assert pool.rot is not None
     for layer, ((q, got), (ks, vs)) in enumerate(zip(outs, written)):
         row = 0
@@ -192,7 +177,7 @@ def test_attention_reads_each_layers_sides_as_they_are_stored(path):
             torch.testing.assert_close(got[row:row + n].double(), want, rtol=1e-5, atol=5e-6)
             row += n
     if path == "c":
-        _, plain, _, _ = mixed_step(backend_of("torch"))
+        _, plain, _, _ = mixed_step(paged_backend("torch", cuda=False))
         for layer, ((_, got), (_, want)) in enumerate(zip(outs, plain)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
