@@ -113,8 +113,11 @@ def test_an_oversized_body_is_413_before_it_is_read_and_health_answers(server):
         size = 40 << 20
         t0 = time.monotonic()
         with socket.create_connection((host, int(port))) as s:  # 40 MB announced, 1 MB sent
-            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {KEY}\r\n"
-                      f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n".encode() + b"{" + b" " * (1 << 20))
+            try:
+                s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {KEY}\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n".encode() + b"{" + b" " * (1 << 20))
+            except BrokenPipeError:  # the server answered from the headers and closed before the 1 MB was in
+                pass
             head = s.recv(65536).decode("latin-1")
         assert head.startswith("HTTP/1.1 413"), head
         assert time.monotonic() - t0 < 1.0
